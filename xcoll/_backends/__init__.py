@@ -1,0 +1,128 @@
+"""The backend boundary: the few primitives a collectives engine must provide.
+
+The pytree and packing code above this line never sees a device type. A backend
+is chosen from the leaves themselves (as einops picks a backend from the tensor's
+type) and its framework is imported only when such leaves are present:
+``import xcoll`` works without torch_xla installed.
+"""
+
+from __future__ import annotations
+
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from .._tree import Flat
+
+
+class Backend(ABC):
+    """One replica's view of a collectives engine.
+
+    Every collective takes a 1-d buffer and returns a new tensor (never the input),
+    on the buffer's device, with nothing executed until :meth:`sync` (lazy
+    backends) or already done (eager ones).
+    """
+
+    #: Device of the leaves; Python scalars are uploaded here.
+    device: torch.device
+
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @abstractmethod
+    def world_size(self) -> int: ...
+
+    def upload(self, cpu: torch.Tensor) -> torch.Tensor:
+        return cpu.to(self.device)
+
+    def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Reinterprets the bits of ``t`` as ``dtype`` (same element size)."""
+        return t.view(dtype)
+
+    @abstractmethod
+    def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
+        """``(n,)`` -> ``(W * n,)``: every replica's buffer, in rank order."""
+
+    @abstractmethod
+    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        """Elementwise ``op`` ("sum", "prod", "max", "min") over all replicas."""
+
+    @abstractmethod
+    def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        """Replica ``src``'s integer buffer, bit for bit, on every replica."""
+
+    def sync(self) -> None:
+        """Runs everything traced so far (no-op for eager backends)."""
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU copies of ``tensors``, fetched together."""
+        return [t.cpu() for t in tensors]
+
+
+class LocalBackend(Backend):
+    """A single process with no collectives engine: world size 1."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+    def rank(self) -> int:
+        return 0
+
+    def world_size(self) -> int:
+        return 1
+
+    def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.clone()
+
+    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        return buf.clone()
+
+    def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        return buf.clone()
+
+
+def _xla_runtime_running() -> bool:
+    # Only ask torch_xla if the user already imported it: never import it here.
+    torch_xla = sys.modules.get("torch_xla")
+    return torch_xla is not None and torch_xla._XLAC._xla_runtime_is_initialized()
+
+
+def current() -> Backend:
+    """The backend of this replica when the call has no tensor leaves to go by."""
+    if _xla_runtime_running():
+        from .xla import XlaBackend
+
+        return XlaBackend(None)
+    return LocalBackend()
+
+
+def resolve(flat: Flat) -> Backend:
+    """The backend for the tensor leaves of ``flat`` (all on one device)."""
+    first = None
+    for i, leaf in enumerate(flat.leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if first is None:
+            first = i
+        elif leaf.device != flat.leaves[first].device:
+            raise TypeError(
+                f"leaves are on different devices: {flat.path(first)} on "
+                f"{flat.leaves[first].device}, {flat.path(i)} on {leaf.device}; "
+                "one call communicates the leaves of one device"
+            )
+    if first is None:
+        return current()
+    device = flat.leaves[first].device
+    if device.type == "xla":
+        from .xla import XlaBackend
+
+        return XlaBackend(device)
+    if _xla_runtime_running():
+        # Treating them as a world of one would silently return W-times-smaller results.
+        raise TypeError(
+            f"{flat.path(first)} is on {device}, but this process runs XLA replicas; "
+            "move the leaves to the replica's XLA device (torch_xla.device())"
+        )
+    return LocalBackend(device)

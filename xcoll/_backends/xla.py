@@ -1,0 +1,117 @@
+"""PyTorch/XLA backend: collectives are traced into the replica's lazy graph.
+
+Imported only when a leaf is on an XLA device (or the XLA runtime is running).
+Facts this module relies on, measured on XLA:CPU (see docs/design.md):
+
+* ``xm.all_gather(pin_layout=False)`` lowers to one real all-gather; the pinned
+  default pads with the replica's ordinal, so replicas compile different graphs.
+* Every collective adds torch_xla's numeric token to its input and derives the
+  next token from its result, so a float collective turns -0.0 into +0.0 and a
+  NaN result poisons later ones. The token is reset around each collective
+  here, and xcoll's moves carry integers (see ``_wire``).
+* ``Tensor.view(dtype)`` is not lowered (it runs on the CPU, outside the graph),
+  so bitcasts are built as small XLA computations.
+* XLA:CPU cannot all-reduce bfloat16: it is reduced in float32.
+* When thread-per-device replicas reach ``torch_xla.sync()`` together with a
+  graph not yet compiled, each thread compiles its own executable and their
+  collectives never meet. A process-wide lock around the sync lets the first
+  thread compile and the others hit the cache; with the asynchronous PJRT client
+  the lock is released before execution ends. In a one-replica process it costs
+  nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch_xla
+import torch_xla.core.xla_builder as xb
+import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
+
+from . import Backend
+
+SYNC_LOCK = threading.Lock()
+
+_XLA_TYPES = {
+    torch.float64: xb.Type.F64,
+    torch.float32: xb.Type.F32,
+    torch.float16: xb.Type.F16,
+    torch.bfloat16: xb.Type.BF16,
+    torch.int64: xb.Type.S64,
+    torch.int32: xb.Type.S32,
+    torch.int16: xb.Type.S16,
+    torch.int8: xb.Type.S8,
+    torch.uint8: xb.Type.U8,
+}
+_REDUCE_TYPES = {
+    "sum": xm.REDUCE_SUM,
+    "prod": xm.REDUCE_MUL,
+    "max": xm.REDUCE_MAX,
+    "min": xm.REDUCE_MIN,
+}
+
+# Compiled bitcast computations, by (shape, from dtype, to dtype).
+_bitcasts: dict[tuple, object] = {}
+_bitcasts_lock = threading.Lock()
+
+
+def sync() -> None:
+    """``torch_xla.sync()`` under the process-wide lock (see the module docstring)."""
+    with SYNC_LOCK:
+        torch_xla.sync()
+
+
+class XlaBackend(Backend):
+    def __init__(self, device: torch.device | None):
+        self.device = torch.device(device) if device is not None else torch_xla.device()
+
+    def rank(self) -> int:
+        return xr.global_ordinal()
+
+    def world_size(self) -> int:
+        return xr.world_size()
+
+    def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(t.shape), t.dtype, dtype)
+        with _bitcasts_lock:
+            computation = _bitcasts.get(key)
+            if computation is None:
+                computation = _bitcasts[key] = xb.create_computation(
+                    "xcoll_bitcast", lambda p: p.bitcast(_XLA_TYPES[dtype]), [xb.tensor_shape(t)]
+                )
+        return torch_xla._XLAC._xla_user_computation("xla::xcoll_bitcast", [t], computation)[0]
+
+    def _fresh_token(self) -> None:
+        # Isolates each collective from NaN in the results of earlier ones
+        # (the caller's, when sync=False, or this call's).
+        torch_xla._XLAC._set_all_reduce_token(str(self.device), None)
+
+    def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
+        self._fresh_token()
+        out = xm.all_gather(buf, dim=0, pin_layout=False)
+        self._fresh_token()
+        return out
+
+    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        if buf.dtype == torch.bfloat16:
+            return self.all_reduce(buf.float(), op).to(torch.bfloat16)
+        self._fresh_token()
+        out = xm.all_reduce(_REDUCE_TYPES[op], buf, pin_layout=False)
+        self._fresh_token()
+        return out
+
+    def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        # Integer sum with zeros from every other replica: exact, and nothing of
+        # theirs (NaN included: the wire is integer) reaches the result. The
+        # mask is uploaded data, so every replica traces the same graph.
+        is_src = self.upload(torch.tensor([self.rank() == src]))
+        return self.all_reduce(torch.where(is_src, buf, torch.zeros_like(buf)), "sum")
+
+    def sync(self) -> None:
+        sync()
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch_xla._XLAC._xla_get_cpu_tensors(list(tensors)))

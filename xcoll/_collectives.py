@@ -1,0 +1,277 @@
+"""gather, reduce and broadcast: flatten -> bucket -> pack -> one collective per
+bucket -> one sync -> unpack.
+
+Each public function only says how its buckets are keyed, which collective a
+bucket takes, and how a leaf's slice of the result becomes the output leaf; the
+pipeline in :func:`_run` is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _backends, _pack, _tree, _wire
+
+OPS = ("sum", "mean", "max", "min", "prod")
+
+# The collective each (kind of dtype, op) takes. Missing pairs are refused:
+# mean of integers would need a dtype change; sum of bools is ambiguous (count or
+# any); max/min are not defined for complex numbers, which xcoll refuses anyway.
+_FLOAT_OPS = {"sum": "sum", "mean": "sum", "prod": "prod", "max": "max", "min": "min"}
+_INT_OPS = {"sum": "sum", "prod": "prod", "max": "max", "min": "min"}
+_BOOL_OPS = {"max": "max", "min": "min", "prod": "min"}
+_REFUSED = {
+    "mean": "mean needs a floating dtype (convert first, e.g. x.float())",
+    "sum": 'sum of bools is ambiguous: use "max" for any, "min" for all, or sum x.int() to count',
+}
+
+
+def _dtype(leaf: Any) -> torch.dtype:
+    return leaf.dtype if isinstance(leaf, torch.Tensor) else _tree.scalar_dtype(leaf)
+
+
+def _check_sync(flat: _tree.Flat, sync: bool, to_cpu: bool = False) -> None:
+    if sync:
+        return
+    if to_cpu:
+        raise ValueError("to_cpu=True needs sync=True: host values exist only after execution")
+    for i, leaf in enumerate(flat.leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(
+                f"{flat.path(i)}: a Python scalar leaf needs sync=True (its value is known "
+                "only after execution); pass a tensor to trace it into the pending graph"
+            )
+
+
+def _run(
+    backend: _backends.Backend,
+    flat: _tree.Flat,
+    buckets: list[_pack.Bucket],
+    lead: tuple[int, ...],
+    collective: Callable[[torch.Tensor, _pack.Bucket], torch.Tensor],
+    finish: Callable[[int, torch.Tensor], torch.Tensor],
+    *,
+    sync: bool,
+    to_cpu: bool = False,
+) -> list[Any]:
+    """Runs one collective per bucket and returns one output per leaf.
+
+    ``collective`` maps a bucket's packed ``(size,)`` buffer to its ``(*lead, size)``
+    result; ``finish(i, t)`` turns leaf ``i``'s ``(*lead, *shape)`` slice into its
+    output. Python scalar leaves come back as CPU tensors of shape ``lead``.
+    """
+    out: list[Any] = [None] * len(flat.leaves)
+    results = []
+    for b in buckets:
+        if b.size == 0:  # only empty tensors: nothing to send
+            for s in b.tensors:
+                device = "cpu" if to_cpu else flat.leaves[s.leaf].device
+                out[s.leaf] = finish(
+                    s.leaf, torch.empty(lead + s.shape, dtype=b.dtype, device=device)
+                )
+            continue
+        results.append((b, collective(_pack.pack(b, flat.leaves, backend.upload), b)))
+
+    if to_cpu:
+        backend.sync()
+        host = backend.to_host([buf for _, buf in results])
+        for (b, _), buf in zip(results, host):
+            for s, t in _pack.unpack(buf, b):
+                out[s.leaf] = finish(s.leaf, t)
+        return out
+
+    # Outputs are traced before the sync so that it materialises them; only they
+    # and the scalar blocks stay referenced, so they alone become graph outputs.
+    scalar_blocks = []
+    for b, buf in results:
+        for s, t in _pack.unpack(buf, b)[: len(b.tensors)]:
+            out[s.leaf] = finish(s.leaf, t)
+        if b.scalars:
+            scalar_blocks.append((b, buf[..., b.scalars[0].offset :]))
+    del results
+    if sync:
+        backend.sync()
+    if scalar_blocks:
+        host = backend.to_host([block for _, block in scalar_blocks])
+        for (b, _), block in zip(scalar_blocks, host):
+            for j, s in enumerate(b.scalars):
+                out[s.leaf] = finish(s.leaf, block[..., j])
+    return out
+
+
+def _outputs(flat: _tree.Flat, out: list[Any], scalar: Callable[[torch.Tensor, Any], Any]) -> Any:
+    """The output tree: tensors as they are, Python scalars back to Python values."""
+    return flat.unflatten(
+        [
+            o if isinstance(leaf, torch.Tensor) else scalar(o, leaf)
+            for leaf, o in zip(flat.leaves, out)
+        ]
+    )
+
+
+def _gather_dim(flat: _tree.Flat, i: int, dim: int, stack: bool) -> int:
+    ndim = flat.leaves[i].dim()
+    if ndim == 0:
+        return 0
+    n = ndim + 1 if stack else ndim
+    if not -n <= dim < n:
+        raise ValueError(
+            f"{flat.path(i)}: dim={dim} is out of range for a leaf of shape {tuple(flat.leaves[i].shape)}"
+        )
+    return dim % n
+
+
+def gather(
+    tree: Any, *, dim: int = 0, stack: bool = False, sync: bool = True, to_cpu: bool = False
+) -> Any:
+    """Every replica's leaves, concatenated along ``dim`` in rank order.
+
+    For a tensor leaf of shape ``(*pre, n, *post)`` (``n`` at ``dim``) the output has
+    shape ``(*pre, W * n, *post)``, and rank ``r``'s leaf is the slice
+    ``r * n : (r + 1) * n`` along ``dim``. With ``stack=True`` a new axis of size
+    ``W`` is inserted at ``dim`` instead (``dim=0``: a leading axis; rank ``r``'s
+    leaf is ``out[r]``). A 0-d leaf gives shape ``(W,)`` either way. The output's
+    rank never depends on ``W``. A Python scalar leaf gives a list of ``W`` values.
+
+    All leaves must have the same shapes and dtypes on every replica. ``to_cpu=True``
+    returns CPU tensors, fetched with one transfer per packed buffer. With
+    ``sync=False`` nothing is executed: the collectives join the caller's pending
+    graph (tensor leaves only).
+
+    >>> import torch, xcoll
+    >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
+    {'x': tensor([1, 2]), 'n': [3]}
+    """
+    flat = _tree.flatten(tree)
+    _check_sync(flat, sync, to_cpu)
+    dims = {
+        i: _gather_dim(flat, i, dim, stack)
+        for i, leaf in enumerate(flat.leaves)
+        if isinstance(leaf, torch.Tensor)
+    }
+    backend = _backends.resolve(flat)
+    w = backend.world_size()
+    dtypes = [_dtype(leaf) for leaf in flat.leaves]
+    buckets = _pack.plan(flat.leaves, dtypes, dtypes)
+
+    def collective(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
+        gathered = backend.all_gather(_wire.encode_move(buf, backend.bitcast))
+        return _wire.decode_move(gathered, b.dtype, backend.bitcast).view(w, b.size)
+
+    def finish(i: int, t: torch.Tensor) -> torch.Tensor:  # t: (W, *shape)
+        if i not in dims or flat.leaves[i].dim() == 0:
+            return t
+        d = dims[i]
+        t = t.movedim(0, d)
+        if stack:
+            return t
+        shape = t.shape
+        return t.reshape(*shape[:d], w * shape[d + 1], *shape[d + 2 :])
+
+    out = _run(backend, flat, buckets, (w,), collective, finish, sync=sync, to_cpu=to_cpu)
+    return _outputs(flat, out, lambda block, like: [_tree.to_python(v, like) for v in block])
+
+
+def reduce(tree: Any, op: Any = "sum", *, sync: bool = True) -> Any:
+    """The elementwise reduction of every replica's leaves.
+
+    ``op`` is one of ``"sum" "mean" "max" "min" "prod"``, or an optree prefix tree of
+    them (``{"loss": "mean", "count": "sum"}``). Shapes, dtypes and devices are
+    preserved. max/min propagate NaN; integer sums and products wrap as the dtype
+    does. Refused, before any communication: mean of integers or bools, sum of
+    bools (use ``"max"`` for any, ``"min"`` for all, or sum ``x.int()`` to count).
+
+    >>> import torch, xcoll
+    >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
+    {'loss': tensor(0.5000), 'n': 4}
+    """
+    flat = _tree.flatten(tree)
+    _check_sync(flat, sync)
+    ops = _tree.broadcast_prefix(op, flat, "op")
+    keys = []
+    for i, leaf in enumerate(flat.leaves):
+        dtype = _dtype(leaf)
+        table = (
+            _BOOL_OPS
+            if dtype == torch.bool
+            else _FLOAT_OPS
+            if dtype.is_floating_point
+            else _INT_OPS
+        )
+        if ops[i] not in OPS:
+            raise ValueError(
+                f"{flat.path(i)}: unknown op {ops[i]!r}; expected one of {', '.join(OPS)}"
+            )
+        if ops[i] not in table:
+            raise TypeError(
+                f"{flat.path(i)}: op {ops[i]!r} is not defined for {dtype}; {_REFUSED[ops[i]]}"
+            )
+        keys.append((dtype, table[ops[i]]))
+    backend = _backends.resolve(flat)
+    w = backend.world_size()
+    buckets = _pack.plan(flat.leaves, keys, [k[0] for k in keys])
+
+    def collective(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
+        dtype, cop = b.key
+        if dtype == torch.bool:
+            return backend.all_reduce(buf.to(torch.uint8), cop) != 0
+        if dtype.is_floating_point and cop in ("max", "min"):
+            keys = backend.all_reduce(_wire.encode_order(buf, cop, backend.bitcast), cop)
+            return _wire.decode_order(keys, dtype, backend.bitcast)
+        return backend.all_reduce(buf, cop)
+
+    def finish(i: int, t: torch.Tensor) -> torch.Tensor:
+        return t / w if ops[i] == "mean" else t
+
+    out = _run(backend, flat, buckets, (), collective, finish, sync=sync)
+    return _outputs(flat, out, _tree.to_python)
+
+
+def broadcast(tree: Any, *, src: int = 0, sync: bool = True) -> Any:
+    """Replica ``src``'s leaves, bit for bit, on every replica.
+
+    Values of the other replicas (NaN included) never reach the result; their
+    leaves only need the same shapes and dtypes as ``src``'s.
+
+    >>> import torch, xcoll
+    >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
+    {'seed': 7, 'w': tensor([1., 1.])}
+    """
+    flat = _tree.flatten(tree)
+    _check_sync(flat, sync)
+    backend = _backends.resolve(flat)
+    w = backend.world_size()
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < w:
+        raise ValueError(f"src={src!r} is not a replica rank: world size is {w}")
+    dtypes = [_dtype(leaf) for leaf in flat.leaves]
+    buckets = _pack.plan(flat.leaves, dtypes, dtypes)
+
+    def collective(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
+        wire = backend.broadcast(_wire.encode_move(buf, backend.bitcast), src)
+        return _wire.decode_move(wire, b.dtype, backend.bitcast)
+
+    out = _run(backend, flat, buckets, (), collective, lambda i, t: t, sync=sync)
+    return _outputs(flat, out, _tree.to_python)
+
+
+def rank() -> int:
+    """This replica's rank in ``[0, world_size())``."""
+    return _backends.current().rank()
+
+
+def world_size() -> int:
+    """The number of replicas (1 in a plain single process)."""
+    return _backends.current().world_size()
+
+
+def sync() -> None:
+    """Runs this replica's pending graph (after calls with ``sync=False``).
+
+    On XLA this is ``torch_xla.sync()`` under xcoll's process-wide lock, which
+    thread-per-device replicas (XLA:CPU, older TPUs) need to avoid compiling the
+    same graph once per thread; elsewhere it does nothing.
+    """
+    _backends.current().sync()

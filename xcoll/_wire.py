@@ -1,0 +1,77 @@
+"""How each dtype travels so that results are exact on every backend.
+
+Moves (gather, broadcast) carry floating-point data as the integer of the same
+width holding its bits. A float collective may change bits: torch_xla adds a
+numeric token to every collective's input (``-0.0 + 0.0 == +0.0``), and a NaN at
+the front of one collective's result turns later collectives of the same graph
+into NaN. An integer collective changes nothing. Bools travel as uint8.
+
+max/min of floats travel as integer keys that sort like the floats (IEEE total
+order), with every NaN replaced by the NaN that wins the op, so NaN propagates as
+in ``torch.maximum``/``torch.minimum``. XLA's float max/min drops NaN, and
+integer max/min is the same on every backend.
+
+``bitcast(t, dtype)`` reinterprets bits and is provided by the backend: XLA needs
+its own lowering, everywhere else it is ``Tensor.view(dtype)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Bitcast = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+
+#: Floating dtype -> the integer dtype of the same width that carries its bits.
+BITS: dict[torch.dtype, torch.dtype] = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def _nan_bits(dtype: torch.dtype, negative: bool) -> int:
+    nan = torch.tensor(-float("nan") if negative else float("nan"), dtype=dtype)
+    return int(nan.view(BITS[dtype]).item())
+
+
+# The NaN each op lets win: +NaN is the largest key, -NaN the smallest.
+_WINNING_NAN = {
+    (dtype, op): _nan_bits(dtype, negative=(op == "min")) for dtype in BITS for op in ("max", "min")
+}
+_MAGNITUDE = {d: torch.iinfo(d).max for d in set(BITS.values())}
+
+
+def encode_move(buf: torch.Tensor, bitcast: Bitcast) -> torch.Tensor:
+    """``buf`` as an integer tensor that carries it bit for bit."""
+    if buf.dtype == torch.bool:
+        return buf.to(torch.uint8)
+    if buf.dtype in BITS:
+        return bitcast(buf, BITS[buf.dtype])
+    return buf
+
+
+def decode_move(wire: torch.Tensor, dtype: torch.dtype, bitcast: Bitcast) -> torch.Tensor:
+    """Inverse of :func:`encode_move`."""
+    if dtype == torch.bool:
+        return wire != 0
+    if dtype in BITS:
+        return bitcast(wire, dtype)
+    return wire
+
+
+def encode_order(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
+    """Float ``buf`` as integer keys whose integer ``op`` ("max"/"min") is the
+    float op with NaN propagating."""
+    bits = bitcast(buf, BITS[buf.dtype]).masked_fill(torch.isnan(buf), _WINNING_NAN[buf.dtype, op])
+    # Negative floats sort backwards as two's complement integers: flip their
+    # magnitude bits so that keys sort like values (-0.0 just below +0.0).
+    return torch.where(bits < 0, bits ^ _MAGNITUDE[bits.dtype], bits)
+
+
+def decode_order(keys: torch.Tensor, dtype: torch.dtype, bitcast: Bitcast) -> torch.Tensor:
+    """Inverse of :func:`encode_order`."""
+    bits = torch.where(keys < 0, keys ^ _MAGNITUDE[keys.dtype], keys)
+    return bitcast(bits, dtype)
