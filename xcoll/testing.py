@@ -84,6 +84,8 @@ class ReplicaPool(ABC):
     """W replicas that run ``fn`` together. Subclasses bind a collectives engine."""
 
     world_size: int
+    #: ``torch.device.type`` of the replicas' tensors, e.g. "xla".
+    device_type: str
 
     @abstractmethod
     def run(
@@ -162,6 +164,7 @@ class XlaPool(ReplicaPool):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
+        self.device_type = "xla"
         self.timeout = timeout
         self.grace = grace
         self._env = xla_cpu_env(world_size) if device == "CPU" else {"PJRT_DEVICE": device}

@@ -1,0 +1,296 @@
+"""Property tests of gather / reduce / broadcast on real replicas.
+
+Each example is drawn here, run on every replica of the pool at once, and its
+results are checked here against what the per-rank inputs say they must be.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hypothesis.strategies as st
+import optree
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import xcoll
+from tests import strategies as S
+from tests.replicas import device, devices, to_cpu, to_device
+
+EXAMPLES = int(os.environ.get("XCOLL_EXAMPLES", "20"))
+PROPERTY = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+_INT = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+# ---- comparisons -----------------------------------------------------------
+
+
+def _leaves(tree):
+    return optree.tree_leaves(tree, none_is_leaf=False)
+
+
+def same_bits(a, b) -> bool:
+    """Bitwise equality of tensors (dtype, shape, every bit) or Python scalars."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        a, b = a.contiguous(), b.contiguous()
+        if a.dtype in _INT:
+            a, b = a.view(_INT[a.dtype]), b.view(_INT[b.dtype])
+        return bool(torch.equal(a, b))
+    if isinstance(a, float):
+        return type(b) is float and same_bits(torch.tensor(a), torch.tensor(b))
+    return type(a) is type(b) and a == b
+
+
+def same_values(a, b) -> bool:
+    """Equal as numbers (-0.0 == 0.0), NaN where NaN; dtype, shape and type equal."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        eq = a == b
+        if a.dtype.is_floating_point:
+            eq |= torch.isnan(a) & torch.isnan(b)
+        return bool(eq.all())
+    if isinstance(a, float):
+        return type(b) is float and (a == b or (a != a and b != b))
+    return type(a) is type(b) and a == b
+
+
+def assert_trees(actual, expected, equal, what=""):
+    assert optree.tree_structure(actual, none_is_leaf=False) == optree.tree_structure(
+        expected, none_is_leaf=False
+    ), what
+    for path, a, e in zip(
+        optree.tree_paths(expected, none_is_leaf=False), _leaves(actual), _leaves(expected)
+    ):
+        if isinstance(e, list):  # gathered Python scalars
+            assert len(a) == len(e) and all(map(equal, a, e)), (what, path, a, e)
+        else:
+            assert equal(a, e), (what, path, a, e)
+
+
+def _flip(tree):
+    """Changes every bit pattern of every tensor leaf in place."""
+    for t in _leaves(tree):
+        if isinstance(t, torch.Tensor):
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            elif t.dtype.is_floating_point:
+                t.neg_()
+            else:
+                t.bitwise_not_()
+
+
+# ---- replica side -----------------------------------------------------------
+
+
+def _call(args):
+    """Runs ``xcoll.<name>(tree, ...)`` on this replica and reports what a test needs."""
+    name, tree, kwargs, extra = args
+    dev = device()
+    x = to_device(tree, dev)
+    out = getattr(xcoll, name)(x, **kwargs)
+    report = {
+        "out": to_cpu(out),
+        "devices": devices(out),
+        "rank": xcoll.rank(),
+        "world": xcoll.world_size(),
+    }
+    if extra == "stacked":
+        report["stacked"] = to_cpu(xcoll.gather(x, stack=True))
+    report["inputs_after"] = to_cpu(x)
+    _flip(out)  # if any output aliased an input, the input would change
+    xcoll.sync()
+    report["inputs_after_writes"] = to_cpu(x)
+    return report
+
+
+def _run(pool, name, trees, kwargs, extra=None):
+    reports = pool.run(_call, [(name, t, kwargs, extra) for t in trees])
+    for r, (rep, tree) in enumerate(zip(reports, trees)):
+        assert rep["rank"] == r and rep["world"] == pool.world_size
+        assert_trees(rep["inputs_after"], tree, same_bits, "input mutated")
+        assert_trees(rep["inputs_after_writes"], tree, same_bits, "output aliases input")
+        assert_trees(rep["out"], reports[0]["out"], same_bits, f"rank {r} differs from rank 0")
+    return reports
+
+
+def _expected_devices(pool, kwargs):
+    return "cpu" if kwargs.get("to_cpu") else pool.device_type
+
+
+# ---- gather -----------------------------------------------------------------
+
+
+def _gathered(values, like, dim, stack):
+    if not isinstance(like, torch.Tensor):
+        return list(values)
+    if like.dim() == 0:
+        return torch.stack(values)
+    return torch.stack(values, dim) if stack else torch.cat(values, dim)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_gather(pool, data):
+    w = pool.world_size
+    skeleton = data.draw(S.skeletons(), "skeleton")
+    trees = data.draw(S.rank_trees(skeleton, w), "trees")
+    kwargs = {
+        "dim": data.draw(st.sampled_from([0, -1]), "dim"),
+        "stack": data.draw(st.booleans(), "stack"),
+        "to_cpu": data.draw(st.booleans(), "to_cpu"),
+    }
+    reports = _run(pool, "gather", trees, kwargs)
+    expected = optree.tree_map(
+        lambda *vs: _gathered(vs, vs[0], kwargs["dim"], kwargs["stack"]), *trees, none_is_leaf=False
+    )
+    out = reports[0]["out"]
+    assert_trees(out, expected, same_bits, "gather")
+    assert set(reports[0]["devices"]) <= {_expected_devices(pool, kwargs)}
+
+
+# ---- reduce -----------------------------------------------------------------
+
+_FOLD = {
+    "sum": lambda a, b: a + b,
+    "mean": lambda a, b: a + b,
+    "prod": lambda a, b: torch.logical_and(a, b) if a.dtype == torch.bool else a * b,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
+# The dtypes each op accepts (the rest are refused, see test_errors.py).
+_OP_DTYPES = {
+    "sum": [d for d in S.DTYPES if d != torch.bool],
+    "mean": [d for d in S.DTYPES if d.is_floating_point],
+    "prod": S.DTYPES,
+    "max": S.DTYPES,
+    "min": S.DTYPES,
+}
+
+
+def _folded(op, values):
+    like = values[0]
+    ts = [v if isinstance(v, torch.Tensor) else torch.tensor(v) for v in values]
+    acc = ts[0]
+    for t in ts[1:]:
+        acc = _FOLD[op](acc, t)
+    if op == "mean":
+        acc = acc / len(ts)
+    return acc if isinstance(like, torch.Tensor) else type(like)(acc.item())
+
+
+def _scalar_kinds(op):
+    return {"sum": [int, float], "mean": [float]}.get(op, [bool, int, float])
+
+
+@st.composite
+def _reduce_case(draw, world_size):
+    op = draw(st.sampled_from(["sum", "mean", "prod", "max", "min"]), "op")
+    leaf = S._tensor_specs(_OP_DTYPES[op]) | st.builds(
+        S.ScalarSpec, st.sampled_from(_scalar_kinds(op))
+    )
+    skeleton = draw(
+        st.recursive(
+            leaf,
+            lambda c: (
+                st.lists(c, max_size=3)
+                | st.dictionaries(st.text("xyz", min_size=1, max_size=2), c, max_size=3)
+            ),
+            max_leaves=6,
+        ),
+        "skeleton",
+    )
+    return op, draw(S.rank_trees(skeleton, world_size, exact=True), "trees")
+
+
+@PROPERTY
+@given(case=st.data())
+def test_reduce(pool, case):
+    op, trees = case.draw(_reduce_case(pool.world_size))
+    reports = _run(pool, "reduce", trees, {"op": op}, extra="stacked" if op == "sum" else None)
+    expected = optree.tree_map(lambda *vs: _folded(op, vs), *trees, none_is_leaf=False)
+    out = reports[0]["out"]
+    assert_trees(out, expected, same_values, f"reduce {op}")
+    assert set(reports[0]["devices"]) <= {_expected_devices(pool, {})}
+    if op == "sum":  # reduce(t, "sum") == gather(t, stack=True) summed over axis 0
+        summed = optree.tree_map(
+            lambda like, g: (
+                g.sum(0, dtype=g.dtype) if isinstance(g, torch.Tensor) else type(like)(sum(g))
+            ),
+            trees[0],
+            reports[0]["stacked"],
+            none_is_leaf=False,
+        )
+        assert_trees(out, summed, same_values, "sum vs gather")
+
+
+def test_reduce_prefix_ops(pool):
+    w = pool.world_size
+    trees = [
+        {
+            "loss": torch.tensor([1.5 * r, -2.0]),
+            "count": torch.tensor(r + 1, dtype=torch.int64),
+            "best": {"acc": torch.tensor([0.25 * r]), "flag": torch.tensor([r % 2 == 1])},
+            "steps": 10 * r,
+        }
+        for r in range(w)
+    ]
+    ops = {"loss": "mean", "count": "sum", "best": "max", "steps": "sum"}
+    out = _run(pool, "reduce", trees, {"op": ops})[0]["out"]
+    expected = {
+        "loss": torch.tensor([1.5 * sum(range(w)) / w, -2.0]),
+        "count": torch.tensor(sum(range(1, w + 1))),
+        "best": {"acc": torch.tensor([0.25 * (w - 1)]), "flag": torch.tensor([w > 1])},
+        "steps": 10 * sum(range(w)),
+    }
+    assert_trees(out, expected, same_values)
+
+
+# ---- broadcast --------------------------------------------------------------
+
+
+def _poison(tree):
+    """The same tree with every float tensor full of NaN."""
+    return optree.tree_map(
+        lambda t: (
+            torch.full_like(t, float("nan"))
+            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point
+            else t
+        ),
+        tree,
+        none_is_leaf=False,
+    )
+
+
+@PROPERTY
+@given(data=st.data())
+def test_broadcast(pool, data):
+    w = pool.world_size
+    skeleton = data.draw(S.skeletons(), "skeleton")
+    trees = data.draw(S.rank_trees(skeleton, w), "trees")
+    src = data.draw(st.integers(0, w - 1), "src")
+    if data.draw(st.booleans(), "others hold NaN"):
+        trees = [t if r == src else _poison(t) for r, t in enumerate(trees)]
+    reports = _run(pool, "broadcast", trees, {"src": src})
+    assert_trees(reports[0]["out"], trees[src], same_bits, "broadcast")
+    assert set(reports[0]["devices"]) <= {_expected_devices(pool, {})}
+
+
+@pytest.mark.parametrize("name", ["gather", "reduce", "broadcast"])
+def test_empty_tree(pool, name):
+    tree = {"a": None, "b": [], "c": ()}
+    reports = _run(pool, name, [tree] * pool.world_size, {})
+    assert reports[0]["out"] == tree
