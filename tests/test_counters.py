@@ -1,0 +1,199 @@
+"""torch_xla's own counters prove the pipeline: one graph execution per replica
+per call, no recompilation on repeat, no more collectives in the HLO than there
+are buckets, one device-to-host transfer per packed buffer with to_cpu=True."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import xcoll
+from tests.replicas import device
+from xcoll.testing import xla_counters
+
+N_LEAVES = 64
+# One replica's persistent state between pool.run calls, by rank.
+_STATE: dict[int, dict] = {}
+
+
+def _counters() -> dict[str, int]:
+    import torch_xla.debug.metrics as met
+
+    c = xla_counters()
+    data = met.metric_data("TransferFromDeviceTime")
+    c["transfers_from_device"] = int(data[0]) if data else 0
+    return c
+
+
+def make_tree(rank: int, n: int, width: int) -> dict:
+    """``n`` tensor leaves of four dtypes (shape ``(width, 3)``) plus Python scalars."""
+    g = torch.Generator().manual_seed(rank)
+    dtypes = [torch.float32, torch.bfloat16, torch.int32, torch.bool]
+    leaves = {}
+    for i in range(n):
+        dtype = dtypes[i % len(dtypes)]
+        t = torch.randn(width, 3, generator=g) * 10
+        leaves[f"t{i:03d}"] = t.to(dtype) if dtype != torch.bool else t > 0
+    return {"tensors": leaves, "step": rank, "lr": 0.5 * rank}
+
+
+def _setup(args):
+    n, width = args
+    dev = device()
+    tree = make_tree(xcoll.rank(), n, width)
+    _STATE[xcoll.rank()] = {
+        "x": {
+            "tensors": {k: v.to(dev) for k, v in tree["tensors"].items()},
+            "step": tree["step"],
+            "lr": tree["lr"],
+        }
+    }
+    xcoll.sync()  # inputs become device data, not pending IR
+
+
+def _wait(tree) -> None:
+    """Waits for this replica's execution (counters are updated when it ends) by
+    fetching one device output; ``xm.wait_device_ops()`` would deadlock here."""
+    import torch_xla
+
+    t = next(v for v in tree["tensors"].values())
+    if t.device.type == "xla":
+        torch_xla._XLAC._xla_get_cpu_tensors([t])
+
+
+def _call(args):
+    name, kwargs = args
+    state = _STATE[xcoll.rank()]
+    tree = (
+        state["x"]
+        if name != "reduce" or kwargs.get("op", "sum") != "sum"
+        else _without_bools(state["x"])
+    )
+    state["out"] = getattr(xcoll, name)(tree, **kwargs)
+    _wait(state["out"])
+
+
+def _without_bools(tree):
+    return {**tree, "tensors": {k: v for k, v in tree["tensors"].items() if v.dtype != torch.bool}}
+
+
+def _traced(args):
+    """Calls with sync=False; returns the number of collectives in the pending HLO."""
+    import torch_xla
+
+    name, kwargs = args
+    state = _STATE[xcoll.rank()]
+    tree = {"tensors": state["x"]["tensors"]}
+    if name == "reduce" and kwargs.get("op", "sum") == "sum":
+        tree = _without_bools(tree)
+    out = getattr(xcoll, name)(tree, sync=False, **kwargs)
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(out["tensors"].values()))
+    state["out"] = out
+    return {op: len(re.findall(rf"\s{op}\(", hlo)) for op in ("all-gather", "all-reduce")}
+
+
+def _sync(_=None):
+    xcoll.sync()
+    _wait(_STATE[xcoll.rank()]["out"])
+
+
+def _step(args):
+    """A caller's step: pending work, a reduction folded in with sync=False, more work."""
+    state = _STATE[xcoll.rank()]
+    x = state["x"]["tensors"]["t000"]
+    loss = (x * 2).sum()
+    mean = xcoll.reduce({"loss": loss}, "mean", sync=False)["loss"]
+    state["out"] = {"tensors": {"step": mean + 1}}
+    xcoll.sync()
+    _wait(state["out"])
+
+
+CALLS = [
+    ("gather", {}),
+    ("gather", {"to_cpu": True}),
+    ("gather", {"stack": True, "dim": 1}),
+    ("reduce", {"op": "sum"}),
+    ("reduce", {"op": "max"}),
+    ("broadcast", {"src": 1}),
+]
+
+
+def _delta(pool, fn, args=None, results=None):
+    """The change in the pool's counters while every replica runs ``fn(args)``."""
+    before = pool.run(_counters)[0]
+    out = pool.run(fn, [args] * pool.world_size)
+    after = pool.run(_counters)[0]
+    if results is not None:
+        results.extend(out)
+    return {k: after[k] - before[k] for k in before}
+
+
+@pytest.mark.parametrize("name,kwargs", CALLS, ids=[f"{n}-{k}" for n, k in CALLS])
+def test_one_execution_per_replica_and_no_recompile(xla4, name, kwargs):
+    w = xla4.world_size
+    width = 5 + CALLS.index((name, kwargs))  # fresh shapes: the first call must compile
+    xla4.run(_setup, [(N_LEAVES, width)] * w)
+    first = _delta(xla4, _call, (name, kwargs))
+    assert first["executions"] == w
+    assert first["compiles"] == 1  # one thread compiles, the others hit the cache
+    for _ in range(2):
+        again = _delta(xla4, _call, (name, kwargs))
+        assert again["executions"] == w
+        assert again["compiles"] == 0
+
+
+def test_to_cpu_fetches_one_buffer_per_dtype_not_per_leaf(xla4):
+    w = xla4.world_size
+    xla4.run(_setup, [(N_LEAVES, 4)] * w)
+    _delta(xla4, _call, ("gather", {"to_cpu": True}))  # compile
+    plain = _delta(xla4, _call, ("gather", {"to_cpu": True}))
+    # 6 packed buffers (4 tensor dtypes, 2 scalar dtypes) fetched in one call per replica;
+    # fetching leaf by leaf would make it one per leaf
+    assert plain["transfers_from_device"] == w
+
+
+@pytest.mark.parametrize(
+    "name,kwargs,expected",
+    [
+        ("gather", {}, {"all-gather": 4, "all-reduce": 0}),
+        ("reduce", {"op": "sum"}, {"all-gather": 0, "all-reduce": 3}),
+        ("reduce", {"op": "min"}, {"all-gather": 0, "all-reduce": 4}),
+        ("broadcast", {"src": 3}, {"all-gather": 0, "all-reduce": 4}),
+    ],
+)
+def test_one_collective_per_dtype_in_the_hlo(xla4, name, kwargs, expected):
+    w = xla4.world_size
+    xla4.run(_setup, [(N_LEAVES, 3)] * w)
+    hlo = []
+    counts = _delta(xla4, _traced, (name, kwargs), hlo)
+    assert counts["executions"] == 0  # sync=False executes nothing
+    assert hlo == [expected] * w
+    assert _delta(xla4, _sync)["executions"] == w
+
+
+def test_mean_and_sum_share_one_all_reduce(xla4):
+    w = xla4.world_size
+    xla4.run(_setup, [(4, 3)] * w)
+    # t000 float32 mean, t001 bfloat16 sum: one all-reduce per dtype, not per op
+    hlo = xla4.run(_traced_ops, [None] * w)
+    assert hlo == [1 + 1] * w
+
+
+def _traced_ops(_):
+    import torch_xla
+
+    x = _STATE[xcoll.rank()]["x"]["tensors"]
+    tree = {"a": x["t000"], "b": x["t000"] * 3, "c": x["t001"]}
+    out = xcoll.reduce(tree, {"a": "mean", "b": "sum", "c": "sum"}, sync=False)
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(out.values()))
+    xcoll.sync()
+    return len(re.findall(r"\sall-reduce\(", hlo))
+
+
+def test_sync_false_joins_the_callers_step(xla4):
+    w = xla4.world_size
+    xla4.run(_setup, [(4, 7)] * w)
+    _delta(xla4, _step)
+    assert _delta(xla4, _step) == {"executions": w, "compiles": 0, "transfers_from_device": w}

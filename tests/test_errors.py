@@ -1,0 +1,109 @@
+"""Bad input is refused before any communication, with the leaf's path."""
+
+from __future__ import annotations
+
+import re
+from collections import namedtuple
+
+import pytest
+import torch
+
+import xcoll
+from tests.replicas import device
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+@pytest.mark.parametrize(
+    "tree,path,kind",
+    [
+        ({"preds": [torch.ones(1), torch.ones(1), "oops"]}, "tree['preds'][2]", "str"),
+        ([1, object()], "tree[1]", "object"),
+        (Point(1.0, {"a": {1, 2}}), "tree.y['a']", "set"),
+        ({"z": torch.ones(2, dtype=torch.complex64)}, "tree['z']", "complex64"),
+        ({"s": torch.ones(2).to_sparse()}, "tree['s']", "sparse"),
+    ],
+)
+@pytest.mark.parametrize("fn", [xcoll.gather, xcoll.reduce, xcoll.broadcast])
+def test_unsupported_leaf_names_its_path(fn, tree, path, kind):
+    with pytest.raises(TypeError, match=re.escape(path)) as e:
+        fn(tree)
+    assert kind in str(e.value) or "strided" in str(e.value)
+
+
+def test_python_int_out_of_int64():
+    with pytest.raises(ValueError, match=re.escape("tree['big']")):
+        xcoll.gather({"big": 2**63})
+
+
+@pytest.mark.parametrize(
+    "tree,op,path,err",
+    [
+        ({"n": torch.tensor([1, 2])}, "mean", "tree['n']", TypeError),
+        ({"n": 3}, "mean", "tree['n']", TypeError),
+        ({"b": torch.tensor([True])}, "sum", "tree['b']", TypeError),
+        ({"b": True}, "mean", "tree['b']", TypeError),
+        ({"x": torch.ones(1)}, "avg", "tree['x']", ValueError),
+        (
+            {"x": torch.ones(1), "y": [torch.ones(1)]},
+            {"x": "sum", "y": ["median"]},
+            "tree['y'][0]",
+            ValueError,
+        ),
+    ],
+)
+def test_reduce_refuses_ops(tree, op, path, err):
+    with pytest.raises(err, match=re.escape(path)):
+        xcoll.reduce(tree, op)
+
+
+def test_reduce_op_tree_must_be_a_prefix():
+    with pytest.raises(ValueError, match="prefix"):
+        xcoll.reduce({"a": torch.ones(1), "b": torch.ones(1)}, {"a": "sum"})
+
+
+@pytest.mark.parametrize("src", [-1, 1, 1.0, True, "0"])
+def test_broadcast_src_out_of_range(src):
+    with pytest.raises(ValueError, match="src"):
+        xcoll.broadcast({"x": torch.ones(1)}, src=src)
+
+
+@pytest.mark.parametrize("dim,stack", [(2, False), (-3, False), (3, True)])
+def test_gather_dim_out_of_range(dim, stack):
+    with pytest.raises(ValueError, match=re.escape("tree['m']")):
+        xcoll.gather({"m": torch.ones(2, 2), "s": torch.ones(())}, dim=dim, stack=stack)
+
+
+def test_scalars_need_sync():
+    with pytest.raises(ValueError, match=re.escape("tree['step']")):
+        xcoll.reduce({"x": torch.ones(1), "step": 3}, sync=False)
+    with pytest.raises(ValueError, match="to_cpu"):
+        xcoll.gather({"x": torch.ones(1)}, sync=False, to_cpu=True)
+
+
+def test_mixed_devices_name_both_paths():
+    tree = {"a": torch.ones(1), "b": torch.ones(1, device="meta")}
+    with pytest.raises(TypeError, match=re.escape("tree['a']") + ".*" + re.escape("tree['b']")):
+        xcoll.gather(tree)
+
+
+def _bad_leaf(kind):
+    dev = device()
+    if kind == "cpu-leaf":
+        return xcoll.gather({"x": torch.ones(2)})  # a CPU tensor inside an XLA replica
+    return xcoll.reduce({"x": torch.ones(2, device=dev), "y": [None, "nope"]})
+
+
+@pytest.mark.parametrize("kind,path", [("str-leaf", "tree['y'][1]"), ("cpu-leaf", "tree['x']")])
+def test_errors_on_every_replica_and_the_pool_goes_on(pool, kind, path):
+    failures = pool.run(_bad_leaf, [kind] * pool.world_size, return_exceptions=True)
+    if kind == "cpu-leaf" and pool.device_type == "cpu":  # the right device for a world of one
+        assert torch.equal(failures[0]["x"], torch.ones(2))
+        return
+    assert [f.type_name for f in failures] == ["builtins.TypeError"] * pool.world_size
+    assert all(path in f.message for f in failures)
+    assert pool.run(_ok) == list(range(pool.world_size))
+
+
+def _ok():
+    return xcoll.gather(xcoll.rank())[xcoll.rank()]
