@@ -6,11 +6,18 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 from tests.replicas import InlinePool
 from xcoll.testing import XlaPool
 
 _pools: dict[str, object] = {}
+
+# In CI the examples are derived from the test names, so a run is reproducible;
+# elsewhere Hypothesis explores new examples each run.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 # Every property test runs on each of these worlds.
 WORLDS = [

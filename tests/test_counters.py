@@ -197,3 +197,19 @@ def test_sync_false_joins_the_callers_step(xla4):
     xla4.run(_setup, [(4, 7)] * w)
     _delta(xla4, _step)
     assert _delta(xla4, _step) == {"executions": w, "compiles": 0, "transfers_from_device": w}
+
+
+def _back_to_back(n):
+    x = _STATE[xcoll.rank()]["x"]["tensors"]
+    for _ in range(n):
+        out = xcoll.gather({"a": x["t000"]})
+        total = xcoll.reduce({"b": x["t000"]}, "max")
+    return out["a"].cpu().shape[0], total["b"].cpu().shape
+
+
+def test_back_to_back_calls_without_reading_results_do_not_hang(xla4):
+    # Regression: replicas running ahead with several executions in flight joined
+    # each other's collectives and XLA aborted after a few dozen calls.
+    w = xla4.world_size
+    xla4.run(_setup, [(2, 2)] * w)
+    assert xla4.run(_back_to_back, [150] * w) == [(2 * w, torch.Size([2, 3]))] * w

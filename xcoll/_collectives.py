@@ -165,7 +165,8 @@ def gather(
         if i not in dims or flat.leaves[i].dim() == 0:
             return t
         d = dims[i]
-        t = t.movedim(0, d)
+        if d:  # (W, *shape) -> (*shape[:d], W, *shape[d:])
+            t = t.movedim(0, d)
         if stack:
             return t
         shape = t.shape

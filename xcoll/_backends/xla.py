@@ -17,7 +17,7 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
   collectives never meet. A process-wide lock around the sync lets the first
   thread compile and the others hit the cache; with the asynchronous PJRT client
   the lock is released before execution ends. In a one-replica process it costs
-  nothing.
+  nothing. See :func:`sync` for why it then waits.
 """
 
 from __future__ import annotations
@@ -58,10 +58,21 @@ _bitcasts: dict[tuple, object] = {}
 _bitcasts_lock = threading.Lock()
 
 
-def sync() -> None:
-    """``torch_xla.sync()`` under the process-wide lock (see the module docstring)."""
+def sync(device: torch.device | None = None) -> None:
+    """Runs this replica's pending graph and waits for it to finish.
+
+    ``torch_xla.sync()`` runs under the process-wide lock (see the module
+    docstring). Then it waits, so that each replica has one execution in flight:
+    XLA:CPU's rendezvous cannot tell a replica's consecutive executions apart (all
+    run as RunId 0), so a replica that runs ahead joins another execution's
+    collective and every replica hangs (seen after a few dozen back-to-back calls
+    at W=4). It waits for this device only: waiting for all devices would, in
+    thread-per-device mode, wait on the other replicas' rendezvous.
+    """
+    device = device or torch_xla.device()
     with SYNC_LOCK:
         torch_xla.sync()
+    torch_xla._XLAC._xla_wait_device_ops(devices=torch_xla._XLAC._xla_real_devices([str(device)]))
 
 
 class XlaBackend(Backend):
@@ -111,7 +122,7 @@ class XlaBackend(Backend):
         return self.all_reduce(torch.where(is_src, buf, torch.zeros_like(buf)), "sum")
 
     def sync(self) -> None:
-        sync()
+        sync(self.device)
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(torch_xla._XLAC._xla_get_cpu_tensors(list(tensors)))
