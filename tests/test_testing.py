@@ -1,0 +1,69 @@
+"""The replica pool turns hangs, aborts and exceptions into prompt test failures
+and recovers afterwards."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import xcoll
+from tests.replicas import device
+from xcoll.testing import PoolCrashed, ReplicaError, XlaPool
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with XlaPool(2, timeout=60, grace=2) as p:
+        yield p
+
+
+def _ranks(_=None):
+    return xcoll.gather(xcoll.rank())
+
+
+def _only_rank1_communicates(_):
+    if xcoll.rank() == 1:  # rank 0 skips the collective: rank 1 waits forever
+        xcoll.gather(torch.ones(2).to(device()))
+    return xcoll.rank()
+
+
+def _rank1_raises_rank0_waits(_):
+    if xcoll.rank() == 1:
+        raise KeyError("rank 1 gave up")
+    return xcoll.gather(torch.ones(2).to(device())).cpu()
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+
+
+def test_a_skipped_collective_fails_within_bounds_with_stderr(pool2):
+    t0 = time.monotonic()
+    with pytest.raises(PoolCrashed, match="Termination timeout|did not finish"):
+        pool2.run(_only_rank1_communicates, [None, None])
+    assert time.monotonic() - t0 < 45
+    assert pool2.run(_ranks) == [[0, 1], [0, 1]]
+
+
+def test_an_exception_is_reported_not_hung(pool2):
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaError) as e:
+        pool2.run(_rank1_raises_rank0_waits, [None, None])
+    assert time.monotonic() - t0 < 30
+    assert e.value.failures[1].type_name == "builtins.KeyError"
+    assert "rank 1 gave up" in str(e.value)
+    assert e.value.failures[0].type_name == "xcoll.testing.DidNotReturn"
+    assert pool2.run(_ranks) == [[0, 1], [0, 1]]
+
+
+def test_a_timeout_kills_and_restarts(pool2):
+    with pytest.raises(PoolCrashed, match="did not finish within 2 s"):
+        pool2.run(_sleep, [30, 0], timeout=2)
+    assert pool2.run(_ranks) == [[0, 1], [0, 1]]
+
+
+def test_per_rank_args_must_match_world_size(pool2):
+    with pytest.raises(ValueError, match="3 entries for 2 replicas"):
+        pool2.run(_sleep, [0, 0, 0])
