@@ -131,6 +131,11 @@ def _expected_devices(pool, kwargs):
     return "cpu" if kwargs.get("to_cpu") else pool.device_type
 
 
+def _draw_trees(data, world_size):
+    skeleton = data.draw(S.skeletons(), "skeleton")
+    return data.draw(S.rank_trees(skeleton, world_size), "trees")
+
+
 # ---- gather -----------------------------------------------------------------
 
 
@@ -146,8 +151,7 @@ def _gathered(values, like, dim, stack):
 @given(data=st.data())
 def test_gather(pool, data):
     w = pool.world_size
-    skeleton = data.draw(S.skeletons(), "skeleton")
-    trees = data.draw(S.rank_trees(skeleton, w), "trees")
+    trees = _draw_trees(data, w)
     kwargs = {
         "dim": data.draw(st.sampled_from([0, -1]), "dim"),
         "stack": data.draw(st.booleans(), "stack"),
@@ -279,8 +283,7 @@ def _poison(tree):
 @given(data=st.data())
 def test_broadcast(pool, data):
     w = pool.world_size
-    skeleton = data.draw(S.skeletons(), "skeleton")
-    trees = data.draw(S.rank_trees(skeleton, w), "trees")
+    trees = _draw_trees(data, w)
     src = data.draw(st.integers(0, w - 1), "src")
     if data.draw(st.booleans(), "others hold NaN"):
         trees = [t if r == src else _poison(t) for r, t in enumerate(trees)]
@@ -294,3 +297,23 @@ def test_empty_tree(pool, name):
     tree = {"a": None, "b": [], "c": ()}
     reports = _run(pool, name, [tree] * pool.world_size, {})
     assert reports[0]["out"] == tree
+
+
+@PROPERTY
+@given(data=st.data())
+def test_float_reductions_agree_on_every_replica(pool, data):
+    """Arbitrary floats (rounding differs with summation order): every replica
+    still gets the same bits, close to the fold over ranks."""
+    w = pool.world_size
+    op = data.draw(st.sampled_from(["sum", "mean", "prod"]), "op")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), "dtype")
+    n = data.draw(st.integers(1, 40), "n")
+    values = st.floats(-10, 10, width=16)
+    trees = [
+        {"x": torch.tensor(data.draw(st.lists(values, min_size=n, max_size=n)), dtype=dtype)}
+        for _ in range(w)
+    ]
+    out = _run(pool, "reduce", trees, {"op": op})[0]["out"]["x"]  # _run checks identity
+    expected = _folded(op, [t["x"].double() for t in trees])
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    assert torch.allclose(out.double(), expected, rtol=tol, atol=tol * 10), (out, expected)

@@ -195,7 +195,7 @@ class XlaPool(ReplicaPool):
 
     def _crash(self, why: str) -> PoolCrashed:
         tail = self.stderr_tail()
-        self.close()
+        self.close(kill=True)
         return PoolCrashed(f"{why}\n--- tail of the worker's stderr ---\n{tail}")
 
     def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
@@ -225,9 +225,10 @@ class XlaPool(ReplicaPool):
             raise ReplicaError(failures)
         return [v for _, v in results]
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Stops the worker (at once with ``kill=True``, else after its current call)."""
         if self._proc is not None:
-            if self._proc.is_alive():
+            if self._proc.is_alive() and not kill:
                 try:
                     self._conn.send(None)
                     self._proc.join(5)
