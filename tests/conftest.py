@@ -9,7 +9,7 @@ import pytest
 from hypothesis import settings
 
 from tests.replicas import InlinePool
-from xcoll.testing import XlaPool
+from xcoll.testing import GlooPool, XlaPool
 
 _pools: dict[str, object] = {}
 
@@ -25,6 +25,9 @@ WORLDS = [
     pytest.param("xla-cpu-1", id="xla-cpu-1"),
     pytest.param("xla-cpu-2", id="xla-cpu-2"),
     pytest.param("xla-cpu-4", id="xla-cpu-4"),
+    pytest.param("gloo-1", id="gloo-1"),
+    pytest.param("gloo-2", id="gloo-2"),
+    pytest.param("gloo-4", id="gloo-4"),
     pytest.param("xla-tpu", id="xla-tpu", marks=pytest.mark.tpu),
 ]
 
@@ -36,7 +39,8 @@ def _make(name: str):
         if os.environ.get("PJRT_DEVICE") != "TPU":
             pytest.skip("tpu: no TPU here (set PJRT_DEVICE=TPU on a TPU host to run)")
         return XlaPool(int(os.environ.get("XCOLL_TPU_REPLICAS", "4")), device="TPU")
-    return XlaPool(int(name.rsplit("-", 1)[1]), timeout=240)
+    kind, w = name.rsplit("-", 1)
+    return (XlaPool if kind == "xla-cpu" else GlooPool)(int(w), timeout=240)
 
 
 @pytest.fixture(scope="session", params=WORLDS)

@@ -113,8 +113,9 @@ def _scalar(draw, spec: ScalarSpec, exact: bool):
 
 
 @st.composite
-def rank_trees(draw, skeleton, world_size: int, exact: bool = False):
-    """``world_size`` trees with the skeleton's structure and per-rank values."""
+def rank_trees(draw, skeleton, world_size: int, exact: bool = False, reorder: bool = True):
+    """``world_size`` trees with the skeleton's structure and per-rank values;
+    with ``reorder``, odd ranks build their dicts in the opposite key order."""
 
     def fill(spec):
         return (
@@ -127,8 +128,7 @@ def rank_trees(draw, skeleton, world_size: int, exact: bool = False):
         optree.tree_map(fill, skeleton, is_leaf=is_spec, none_is_leaf=False)
         for _ in range(world_size)
     ]
-    # Odd ranks build their dicts in the opposite key order.
-    return [_reverse_dicts(t) if r % 2 else t for r, t in enumerate(trees)]
+    return [_reverse_dicts(t) if reorder and r % 2 else t for r, t in enumerate(trees)]
 
 
 def _reverse_dicts(tree):

@@ -51,7 +51,8 @@ def _run(
     flat: _tree.Flat,
     buckets: list[_pack.Bucket],
     lead: tuple[int, ...],
-    collective: Callable[[torch.Tensor, _pack.Bucket], torch.Tensor],
+    send: Callable[[torch.Tensor, _pack.Bucket], torch.Tensor],
+    receive: Callable[[torch.Tensor, _pack.Bucket], torch.Tensor],
     finish: Callable[[int, torch.Tensor], torch.Tensor],
     *,
     sync: bool,
@@ -59,9 +60,12 @@ def _run(
 ) -> list[Any]:
     """Runs one collective per bucket and returns one output per leaf.
 
-    ``collective`` maps a bucket's packed ``(size,)`` buffer to its ``(*lead, size)``
-    result; ``finish(i, t)`` turns leaf ``i``'s ``(*lead, *shape)`` slice into its
-    output. Python scalar leaves come back as CPU tensors of shape ``lead``.
+    ``send`` starts a bucket's collective on its packed ``(size,)`` buffer and
+    returns the backend's result tensor; after every collective of the call has
+    been started and ``backend.wait()`` has returned, ``receive`` turns it into the
+    bucket's ``(*lead, size)`` result, and ``finish(i, t)`` turns leaf ``i``'s
+    ``(*lead, *shape)`` slice into its output. Python scalar leaves come back as
+    CPU tensors of shape ``lead``.
     """
     out: list[Any] = [None] * len(flat.leaves)
     results = []
@@ -73,7 +77,9 @@ def _run(
                     s.leaf, torch.empty(lead + s.shape, dtype=b.dtype, device=device)
                 )
             continue
-        results.append((b, collective(_pack.pack(b, flat.leaves, backend.upload), b)))
+        results.append((b, send(_pack.pack(b, flat.leaves, backend.upload), b)))
+    backend.wait()  # eager backends started every collective asynchronously
+    results = [(b, receive(r, b)) for b, r in results]
 
     if to_cpu:
         backend.sync()
@@ -125,7 +131,13 @@ def _gather_dim(flat: _tree.Flat, i: int, dim: int, stack: bool) -> int:
 
 
 def gather(
-    tree: Any, *, dim: int = 0, stack: bool = False, sync: bool = True, to_cpu: bool = False
+    tree: Any,
+    *,
+    dim: int = 0,
+    stack: bool = False,
+    sync: bool = True,
+    to_cpu: bool = False,
+    group: Any = None,
 ) -> Any:
     """Every replica's leaves, concatenated along ``dim`` in rank order.
 
@@ -152,13 +164,15 @@ def gather(
         for i, leaf in enumerate(flat.leaves)
         if isinstance(leaf, torch.Tensor)
     }
-    backend = _backends.resolve(flat)
+    backend = _backends.resolve(flat, group)
     w = backend.world_size()
     dtypes = [_dtype(leaf) for leaf in flat.leaves]
     buckets = _pack.plan(flat.leaves, dtypes, dtypes)
 
-    def collective(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
-        gathered = backend.all_gather(_wire.encode_move(buf, backend.bitcast))
+    def send(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
+        return backend.all_gather(_wire.encode_move(buf, backend.bitcast))
+
+    def receive(gathered: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
         return _wire.decode_move(gathered, b.dtype, backend.bitcast).view(w, b.size)
 
     def finish(i: int, t: torch.Tensor) -> torch.Tensor:  # t: (W, *shape)
@@ -172,11 +186,11 @@ def gather(
         shape = t.shape
         return t.reshape(*shape[:d], w * shape[d + 1], *shape[d + 2 :])
 
-    out = _run(backend, flat, buckets, (w,), collective, finish, sync=sync, to_cpu=to_cpu)
+    out = _run(backend, flat, buckets, (w,), send, receive, finish, sync=sync, to_cpu=to_cpu)
     return _outputs(flat, out, lambda block, like: [_tree.to_python(v, like) for v in block])
 
 
-def reduce(tree: Any, op: Any = "sum", *, sync: bool = True) -> Any:
+def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) -> Any:
     """The elementwise reduction of every replica's leaves.
 
     ``op`` is one of ``"sum" "mean" "max" "min" "prod"``, or an optree prefix tree of
@@ -211,27 +225,24 @@ def reduce(tree: Any, op: Any = "sum", *, sync: bool = True) -> Any:
                 f"{flat.path(i)}: op {ops[i]!r} is not defined for {dtype}; {_REFUSED[ops[i]]}"
             )
         keys.append((dtype, table[ops[i]]))
-    backend = _backends.resolve(flat)
+    backend = _backends.resolve(flat, group)
     w = backend.world_size()
     buckets = _pack.plan(flat.leaves, keys, [k[0] for k in keys])
 
-    def collective(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
-        dtype, cop = b.key
-        if dtype == torch.bool:
-            return backend.all_reduce(buf.to(torch.uint8), cop) != 0
-        if dtype.is_floating_point and cop in ("max", "min"):
-            keys = backend.all_reduce(_wire.encode_order(buf, cop, backend.bitcast), cop)
-            return _wire.decode_order(keys, dtype, backend.bitcast)
-        return backend.all_reduce(buf, cop)
+    def send(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
+        return backend.all_reduce(_wire.encode_reduce(buf, b.key[1], backend.bitcast), b.key[1])
+
+    def receive(reduced: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
+        return _wire.decode_reduce(reduced, b.key[0], b.key[1], backend.bitcast)
 
     def finish(i: int, t: torch.Tensor) -> torch.Tensor:
         return t / w if ops[i] == "mean" else t
 
-    out = _run(backend, flat, buckets, (), collective, finish, sync=sync)
+    out = _run(backend, flat, buckets, (), send, receive, finish, sync=sync)
     return _outputs(flat, out, _tree.to_python)
 
 
-def broadcast(tree: Any, *, src: int = 0, sync: bool = True) -> Any:
+def broadcast(tree: Any, *, src: int = 0, sync: bool = True, group: Any = None) -> Any:
     """Replica ``src``'s leaves, bit for bit, on every replica.
 
     Values of the other replicas (NaN included) never reach the result; their
@@ -243,29 +254,32 @@ def broadcast(tree: Any, *, src: int = 0, sync: bool = True) -> Any:
     """
     flat = _tree.flatten(tree)
     _check_sync(flat, sync)
-    backend = _backends.resolve(flat)
+    backend = _backends.resolve(flat, group)
     w = backend.world_size()
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < w:
         raise ValueError(f"src={src!r} is not a replica rank: world size is {w}")
     dtypes = [_dtype(leaf) for leaf in flat.leaves]
     buckets = _pack.plan(flat.leaves, dtypes, dtypes)
 
-    def collective(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
-        wire = backend.broadcast(_wire.encode_move(buf, backend.bitcast), src)
+    def send(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
+        return backend.broadcast(_wire.encode_move(buf, backend.bitcast), src)
+
+    def receive(wire: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
         return _wire.decode_move(wire, b.dtype, backend.bitcast)
 
-    out = _run(backend, flat, buckets, (), collective, lambda i, t: t, sync=sync)
+    out = _run(backend, flat, buckets, (), send, receive, lambda i, t: t, sync=sync)
     return _outputs(flat, out, _tree.to_python)
 
 
-def rank() -> int:
-    """This replica's rank in ``[0, world_size())``."""
-    return _backends.current().rank()
+def rank(group: Any = None) -> int:
+    """This replica's rank in ``[0, world_size(group))``."""
+    return _backends.current(group).rank()
 
 
-def world_size() -> int:
-    """The number of replicas (1 in a plain single process)."""
-    return _backends.current().world_size()
+def world_size(group: Any = None) -> int:
+    """The number of replicas: XLA replicas, the torch.distributed process group
+    (``group``, default: the default group), or 1 in a plain single process."""
+    return _backends.current(group).world_size()
 
 
 def sync() -> None:

@@ -43,6 +43,10 @@ _WINNING_NAN = {
 }
 _MAGNITUDE = {d: torch.iinfo(d).max for d in set(BITS.values())}
 
+#: Half-precision sums and products accumulate in float32 on every backend
+#: (XLA:CPU cannot all-reduce bfloat16 at all) and are rounded back once.
+_ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
 
 def encode_move(buf: torch.Tensor, bitcast: Bitcast) -> torch.Tensor:
     """``buf`` as an integer tensor that carries it bit for bit."""
@@ -60,6 +64,28 @@ def decode_move(wire: torch.Tensor, dtype: torch.dtype, bitcast: Bitcast) -> tor
     if dtype in BITS:
         return bitcast(wire, dtype)
     return wire
+
+
+def encode_reduce(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
+    """``buf`` in the form whose integer or float all-reduce ``op`` gives the
+    result: bools as uint8 (max = any, min = all), float max/min as ordered keys,
+    half-precision sums and products in float32."""
+    if buf.dtype == torch.bool:
+        return buf.to(torch.uint8)
+    if buf.dtype.is_floating_point:
+        if op in ("max", "min"):
+            return encode_order(buf, op, bitcast)
+        return buf.to(_ACCUMULATE.get(buf.dtype, buf.dtype))
+    return buf
+
+
+def decode_reduce(out: torch.Tensor, dtype: torch.dtype, op: str, bitcast: Bitcast) -> torch.Tensor:
+    """Inverse of :func:`encode_reduce` on the reduced tensor."""
+    if dtype == torch.bool:
+        return out != 0
+    if dtype.is_floating_point and op in ("max", "min"):
+        return decode_order(out, dtype, bitcast)
+    return out.to(dtype)
 
 
 def encode_order(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:

@@ -18,17 +18,21 @@ come back the same way, so return CPU values. This is the test driver talking to
 the child it started, not data exchanged between replicas: xcoll's collectives
 never pickle.
 
-A replica that hangs, or an XLA abort of the worker, becomes an exception in
-the caller within the timeout, with the tail of the worker's stderr; the next
-call starts a fresh worker.
+Two pools: :class:`XlaPool` (W XLA replicas, one thread per device in one
+worker process) and :class:`GlooPool` (W torch.distributed processes with the gloo
+backend). A replica that hangs, or a worker that aborts, becomes an exception in
+the caller within the timeout, with the tail of the workers' stderr; the next
+call starts fresh workers.
 """
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import socket
 import tempfile
 import threading
 import time
@@ -41,6 +45,7 @@ from typing import Any
 __all__ = [
     "ReplicaPool",
     "XlaPool",
+    "GlooPool",
     "RemoteFailure",
     "ReplicaError",
     "PoolCrashed",
@@ -141,7 +146,84 @@ def xla_counters() -> dict[str, int]:
     return {"executions": count("ExecuteTime"), "compiles": count("CompileTime")}
 
 
-class XlaPool(ReplicaPool):
+class _SpawnedPool(ReplicaPool):
+    """Replicas in spawned worker processes, each writing its stderr to a file."""
+
+    timeout: float
+    grace: float
+
+    def __init__(self) -> None:
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._logs: list[str] = []
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        """Starts one worker: ``target(conn, log, *args)``."""
+        ctx = multiprocessing.get_context("spawn")
+        fd, log = tempfile.mkstemp(prefix="xcoll-pool-", suffix=".log")
+        os.close(fd)
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(child, log, *args), daemon=True)
+        proc.start()
+        child.close()
+        self._procs.append(proc)
+        self._conns.append(conn)
+        self._logs.append(log)
+
+    def stderr_tail(self, n: int = 4000) -> str:
+        tails = []
+        for log in self._logs:
+            if os.path.exists(log):
+                with open(log, errors="replace") as f:
+                    tails.append(f.read()[-n // max(1, len(self._logs)) :])
+        return "\n".join(tails)
+
+    def _crash(self, why: str) -> PoolCrashed:
+        tail = self.stderr_tail()
+        self.close(kill=True)
+        return PoolCrashed(f"{why}\n--- tail of the worker's stderr ---\n{tail}")
+
+    def _check_args(self, per_rank_args: Sequence[Any] | None) -> None:
+        if per_rank_args is not None and len(per_rank_args) != self.world_size:
+            raise ValueError(
+                f"per_rank_args has {len(per_rank_args)} entries for {self.world_size} replicas"
+            )
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close(kill=True)
+            self._start()
+
+    @abstractmethod
+    def _start(self) -> None: ...
+
+    @staticmethod
+    def _outcome(results: list[tuple[bool, Any]], return_exceptions: bool) -> list[Any]:
+        failures = {r: v for r, (ok, v) in enumerate(results) if not ok}
+        if failures and not return_exceptions:
+            raise ReplicaError(failures)
+        return [v for _, v in results]
+
+    def close(self, kill: bool = False) -> None:
+        """Stops the workers (at once with ``kill=True``, else after their current call)."""
+        for proc, conn in zip(self._procs, self._conns):
+            if proc.is_alive() and not kill:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for proc, conn in zip(self._procs, self._conns):
+            if not kill:
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+        for log in self._logs:
+            if os.path.exists(log):
+                os.unlink(log)
+        self._procs, self._conns, self._logs = [], [], []
+
+
+class XlaPool(_SpawnedPool):
     """W XLA replicas: one spawned worker process with one thread per device.
 
     ``device="CPU"`` gives W XLA:CPU replicas on any machine. ``device="TPU"``
@@ -152,6 +234,8 @@ class XlaPool(ReplicaPool):
     the calling process never initialises XLA.
     """
 
+    device_type = "xla"
+
     def __init__(
         self,
         world_size: int,
@@ -161,86 +245,97 @@ class XlaPool(ReplicaPool):
         grace: float = 5.0,
         env: dict[str, str] | None = None,
     ):
+        super().__init__()
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.world_size = world_size
-        self.device_type = "xla"
-        self.timeout = timeout
-        self.grace = grace
+        self.world_size, self.timeout, self.grace = world_size, timeout, grace
         self._env = xla_cpu_env(world_size) if device == "CPU" else {"PJRT_DEVICE": device}
         self._env.update(env or {})
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._conn: multiprocessing.connection.Connection | None = None
-        self._log: str | None = None
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        fd, self._log = tempfile.mkstemp(prefix="xcoll-pool-", suffix=".log")
-        os.close(fd)
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_xla_worker,
-            args=(child, self.world_size, self._env, self._log, self.grace),
-            daemon=True,
-            name=f"xcoll-xla-pool-{self.world_size}",
-        )
-        self._proc.start()
-        child.close()
-
-    def stderr_tail(self, n: int = 4000) -> str:
-        if not self._log or not os.path.exists(self._log):
-            return ""
-        with open(self._log, errors="replace") as f:
-            return f.read()[-n:]
-
-    def _crash(self, why: str) -> PoolCrashed:
-        tail = self.stderr_tail()
-        self.close(kill=True)
-        return PoolCrashed(f"{why}\n--- tail of the worker's stderr ---\n{tail}")
+        self._spawn(_xla_worker, self.world_size, self._env, self.grace)
 
     def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
-        if per_rank_args is not None and len(per_rank_args) != self.world_size:
-            raise ValueError(
-                f"per_rank_args has {len(per_rank_args)} entries for {self.world_size} replicas"
-            )
-        if self._proc is None or not self._proc.is_alive():
-            self.close()
-            self._start()
+        self._check_args(per_rank_args)
         timeout = self.timeout if timeout is None else timeout
-        assert self._conn is not None and self._proc is not None
-        self._conn.send((fn, per_rank_args))
-        ready = multiprocessing.connection.wait([self._conn, self._proc.sentinel], timeout)
-        if not ready:
+        conn, proc = self._conns[0], self._procs[0]
+        conn.send((fn, per_rank_args))
+        if not multiprocessing.connection.wait([conn, proc.sentinel], timeout):
             raise self._crash(f"{_name(fn)}: the replicas did not finish within {timeout:.0f} s")
         try:
-            complete, results = self._conn.recv()
+            complete, results = conn.recv()
         except (EOFError, OSError):
             raise self._crash(
-                f"{_name(fn)}: the pool's worker died (exit code {self._proc.exitcode})"
+                f"{_name(fn)}: the pool's worker died (exit code {proc.exitcode})"
             ) from None
         if not complete:  # some replica is stuck in a collective: start afresh next time
-            self.close()
-        failures = {r: v for r, (ok, v) in enumerate(results) if not ok}
-        if failures and not return_exceptions:
-            raise ReplicaError(failures)
-        return [v for _, v in results]
+            self.close(kill=True)
+        return self._outcome(results, return_exceptions)
 
-    def close(self, kill: bool = False) -> None:
-        """Stops the worker (at once with ``kill=True``, else after its current call)."""
-        if self._proc is not None:
-            if self._proc.is_alive() and not kill:
-                try:
-                    self._conn.send(None)
-                    self._proc.join(5)
-                except (OSError, BrokenPipeError):
-                    pass
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
-            self._conn.close()
-        if self._log and os.path.exists(self._log):
-            os.unlink(self._log)
-        self._proc = self._conn = self._log = None
+
+class GlooPool(_SpawnedPool):
+    """W torch.distributed processes on loopback with the gloo backend.
+
+    Each process runs ``init_process_group("gloo")`` once (with the usual
+    ``MASTER_ADDR``/``RANK``/``WORLD_SIZE`` variables set, so libraries that read
+    them, such as accelerate, find the same group) and then serves calls on its
+    main thread. ``collective_timeout`` is gloo's own timeout for a collective that
+    some rank never joins.
+    """
+
+    device_type = "cpu"
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        grace: float = 5.0,
+        collective_timeout: float = 60.0,
+    ):
+        super().__init__()
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size, self.timeout, self.grace = world_size, timeout, grace
+        self.collective_timeout = collective_timeout
+
+    def _start(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for rank in range(self.world_size):
+            self._spawn(_gloo_worker, rank, self.world_size, port, self.collective_timeout)
+
+    def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
+        self._check_args(per_rank_args)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        for r, conn in enumerate(self._conns):
+            conn.send(
+                (fn, per_rank_args is not None, None if per_rank_args is None else per_rank_args[r])
+            )
+        results = _Results(self.world_size, self.grace)
+        waiting = dict(enumerate(self._conns))
+        while not results.done():
+            ready = multiprocessing.connection.wait(
+                list(waiting.values()) + [p.sentinel for p in self._procs],
+                results.wait_time(deadline),
+            )
+            if not ready and time.monotonic() >= deadline:
+                raise self._crash(f"{_name(fn)}: the replicas did not finish in time")
+            for r, conn in list(waiting.items()):
+                if conn in ready:
+                    try:
+                        results.add(*conn.recv())
+                    except (EOFError, OSError):
+                        raise self._crash(f"{_name(fn)}: rank {r} died") from None
+                    del waiting[r]
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead:
+                raise self._crash(f"{_name(fn)}: rank(s) {dead} died")
+        complete, ordered = results.finish()
+        if not complete:
+            self.close(kill=True)
+        return self._outcome(ordered, return_exceptions)
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -253,6 +348,44 @@ def _failure(rank: int, e: BaseException) -> RemoteFailure:
 
 
 _NO_ARG = object()
+
+
+class _Results:
+    """One call's per-rank results. After the first failure the others get
+    ``grace`` seconds: they may be waiting forever in a collective that the
+    failed rank never reached, so they are reported instead of waited for."""
+
+    def __init__(self, world_size: int, grace: float):
+        self.world_size, self.grace = world_size, grace
+        self.by_rank: dict[int, tuple[bool, Any]] = {}
+        self.grace_ends: float | None = None
+
+    def add(self, rank: int, ok: bool, value: Any) -> None:
+        self.by_rank[rank] = (ok, value)
+        if not ok and self.grace_ends is None:
+            self.grace_ends = time.monotonic() + self.grace
+
+    def done(self) -> bool:
+        return len(self.by_rank) == self.world_size or (
+            self.grace_ends is not None and time.monotonic() >= self.grace_ends
+        )
+
+    def wait_time(self, deadline: float | None = None) -> float | None:
+        ends = [t for t in (deadline, self.grace_ends) if t is not None]
+        return max(0.0, min(ends) - time.monotonic()) if ends else None
+
+    def finish(self) -> tuple[bool, list[tuple[bool, Any]]]:
+        """(whether every rank returned, ``[(ok, value)]`` in rank order)."""
+        complete = len(self.by_rank) == self.world_size
+        failed = sorted(r for r, (ok, _) in self.by_rank.items() if not ok)
+        for r in range(self.world_size):
+            if r not in self.by_rank:
+                why = (
+                    f"did not return within {self.grace:.0f} s after rank(s) {failed} failed "
+                    "(probably waiting in a collective they never reached)"
+                )
+                self.by_rank[r] = (False, RemoteFailure(r, "xcoll.testing.DidNotReturn", why, ""))
+        return complete, [self.by_rank[r] for r in range(self.world_size)]
 
 
 def _replica(device: Any, inbox: queue.Queue, outbox: queue.Queue) -> None:
@@ -272,10 +405,14 @@ def _replica(device: Any, inbox: queue.Queue, outbox: queue.Queue) -> None:
             outbox.put((rank, False, _failure(rank, e)))
 
 
-def _xla_worker(conn, world_size: int, env: dict[str, str], log: str, grace: float) -> None:
+def _to_log(log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+
+
+def _xla_worker(conn, log: str, world_size: int, env: dict[str, str], grace: float) -> None:
+    _to_log(log)
     os.environ.update(env)  # before the XLA runtime starts in this process
 
     import torch_xla.core.xla_model as xm
@@ -294,37 +431,48 @@ def _xla_worker(conn, world_size: int, env: dict[str, str], log: str, grace: flo
         fn, per_rank_args = task
         for r, inbox in enumerate(inboxes):
             inbox.put((fn, _NO_ARG if per_rank_args is None else per_rank_args[r]))
-        results: dict[int, tuple[bool, Any]] = {}
-        deadline = None
-        while len(results) < world_size:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        results = _Results(world_size, grace)
+        while not results.done():
             try:
-                rank, ok, value = outbox.get(timeout=wait)
+                results.add(*outbox.get(timeout=results.wait_time()))
             except queue.Empty:
-                break
-            results[rank] = (ok, value)
-            if not ok and deadline is None:
-                # The others may wait forever in a collective this one never
-                # reached; report after a grace period instead of hanging.
-                deadline = time.monotonic() + grace
-        complete = len(results) == world_size
-        failed = sorted(k for k, (ok, _) in results.items() if not ok)
-        for r in range(world_size):
-            if r not in results:
-                results[r] = (
-                    False,
-                    RemoteFailure(
-                        r,
-                        "xcoll.testing.DidNotReturn",
-                        f"did not return within {grace:.0f} s after rank(s) {failed} failed "
-                        "(probably waiting in a collective they never reached)",
-                        "",
-                    ),
-                )
-        ordered = [results[r] for r in range(world_size)]
+                pass
+        complete, ordered = results.finish()
         try:
             conn.send((complete, ordered))
         except Exception as e:  # an unpicklable result
             conn.send((complete, [(False, _failure(r, e)) for r in range(world_size)]))
         if not complete:
             os._exit(0)  # stuck replica threads cannot be recovered
+
+
+def _gloo_worker(conn, log: str, rank: int, world_size: int, port: int, timeout: float) -> None:
+    _to_log(log)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    while (task := conn.recv()) is not None:
+        fn, has_arg, arg = task
+        try:
+            result = (rank, True, fn(arg) if has_arg else fn())
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            result = (rank, False, _failure(rank, e))
+        try:
+            conn.send(result)
+        except Exception as e:  # an unpicklable result
+            conn.send((rank, False, _failure(rank, e)))
+    dist.destroy_process_group()

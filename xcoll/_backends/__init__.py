@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -18,11 +19,13 @@ from .._tree import Flat
 
 
 class Backend(ABC):
-    """One replica's view of a collectives engine.
+    """One replica's view of a collectives engine, for one call.
 
-    Every collective takes a 1-d buffer and returns a new tensor (never the input),
-    on the buffer's device, with nothing executed until :meth:`sync` (lazy
-    backends) or already done (eager ones).
+    Every collective takes a 1-d buffer that the backend may consume (it is a
+    packed copy, never a caller's tensor) and returns a tensor on the buffer's
+    device that holds the result once :meth:`wait` has returned. Lazy backends
+    (XLA) trace it and run it at :meth:`sync`; eager ones start it asynchronously
+    and finish every collective of the call in :meth:`wait`.
     """
 
     #: Device of the leaves; Python scalars are uploaded here.
@@ -52,6 +55,9 @@ class Backend(ABC):
     @abstractmethod
     def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
         """Replica ``src``'s integer buffer, bit for bit, on every replica."""
+
+    def wait(self) -> None:
+        """Waits for the collectives started so far (no-op for lazy backends)."""
 
     def sync(self) -> None:
         """Runs everything traced so far (no-op for eager backends)."""
@@ -89,17 +95,33 @@ def _xla_runtime_running() -> bool:
     return torch_xla is not None and torch_xla._XLAC._xla_runtime_is_initialized()
 
 
-def current() -> Backend:
-    """The backend of this replica when the call has no tensor leaves to go by."""
-    if _xla_runtime_running():
+def _dist_running(group: Any) -> bool:
+    import torch.distributed as dist  # part of torch, imported with it
+
+    return group is not None or (dist.is_available() and dist.is_initialized())
+
+
+def current(group: Any = None) -> Backend:
+    """The backend of this replica when the call has no tensor leaves to go by:
+    ``group``'s if given, else XLA's if its runtime is running here, else the
+    default process group's if initialised, else a world of one."""
+    if group is None and _xla_runtime_running():
         from .xla import XlaBackend
 
         return XlaBackend(None)
+    if _dist_running(group):
+        from .dist import DistBackend
+
+        return DistBackend(None, group)
     return LocalBackend()
 
 
-def resolve(flat: Flat) -> Backend:
-    """The backend for the tensor leaves of ``flat`` (all on one device)."""
+def resolve(flat: Flat, group: Any = None) -> Backend:
+    """The backend for the tensor leaves of ``flat`` (all on one device):
+
+    XLA leaves -> XLA; other leaves -> torch.distributed if a process group is
+    initialised (or ``group`` is given); otherwise a world of one.
+    """
     first = None
     for i, leaf in enumerate(flat.leaves):
         if not isinstance(leaf, torch.Tensor):
@@ -113,12 +135,20 @@ def resolve(flat: Flat) -> Backend:
                 "one call communicates the leaves of one device"
             )
     if first is None:
-        return current()
+        return current(group)
     device = flat.leaves[first].device
     if device.type == "xla":
+        if group is not None:
+            raise ValueError(
+                "group= selects a torch.distributed process group; these leaves are on XLA"
+            )
         from .xla import XlaBackend
 
         return XlaBackend(device)
+    if _dist_running(group):
+        from .dist import DistBackend
+
+        return DistBackend(device, group)
     if _xla_runtime_running():
         # Treating them as a world of one would silently return W-times-smaller results.
         raise TypeError(

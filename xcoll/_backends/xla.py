@@ -11,7 +11,7 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
   here, and xcoll's moves carry integers (see ``_wire``).
 * ``Tensor.view(dtype)`` is not lowered (it runs on the CPU, outside the graph),
   so bitcasts are built as small XLA computations.
-* XLA:CPU cannot all-reduce bfloat16: it is reduced in float32.
+* XLA:CPU cannot all-reduce bfloat16 (``_wire`` sums half precision in float32).
 * When thread-per-device replicas reach ``torch_xla.sync()`` together with a
   graph not yet compiled, each thread compiles its own executable and their
   collectives never meet. A process-wide lock around the sync lets the first
@@ -107,8 +107,6 @@ class XlaBackend(Backend):
         return out
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
-        if buf.dtype == torch.bfloat16:
-            return self.all_reduce(buf.float(), op).to(torch.bfloat16)
         self._fresh_token()
         out = xm.all_reduce(_REDUCE_TYPES[op], buf, pin_layout=False)
         self._fresh_token()
