@@ -151,7 +151,9 @@ def gather(
     All leaves must have the same shapes and dtypes on every replica. ``to_cpu=True``
     returns CPU tensors, fetched with one transfer per packed buffer. With
     ``sync=False`` nothing is executed: the collectives join the caller's pending
-    graph (tensor leaves only).
+    graph (tensor leaves only; on eager backends the call completes anyway).
+    ``group`` selects a torch.distributed process group (default: the default
+    group); the backend follows from the leaves' device (see docs/design.md).
 
     >>> import torch, xcoll
     >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
@@ -196,8 +198,10 @@ def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) 
     ``op`` is one of ``"sum" "mean" "max" "min" "prod"``, or an optree prefix tree of
     them (``{"loss": "mean", "count": "sum"}``). Shapes, dtypes and devices are
     preserved. max/min propagate NaN; integer sums and products wrap as the dtype
-    does. Refused, before any communication: mean of integers or bools, sum of
-    bools (use ``"max"`` for any, ``"min"`` for all, or sum ``x.int()`` to count).
+    does; float16 and bfloat16 sums and products accumulate in float32. Refused,
+    before any communication: mean of integers or bools, sum of bools (use
+    ``"max"`` for any, ``"min"`` for all, or sum ``x.int()`` to count). ``group``
+    as in :func:`gather`.
 
     >>> import torch, xcoll
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
@@ -246,7 +250,8 @@ def broadcast(tree: Any, *, src: int = 0, sync: bool = True, group: Any = None) 
     """Replica ``src``'s leaves, bit for bit, on every replica.
 
     Values of the other replicas (NaN included) never reach the result; their
-    leaves only need the same shapes and dtypes as ``src``'s.
+    leaves only need the same shapes and dtypes as ``src``'s. ``src`` is a rank in
+    ``group`` (as in :func:`gather`).
 
     >>> import torch, xcoll
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
@@ -287,6 +292,7 @@ def sync() -> None:
 
     On XLA this is ``torch_xla.sync()`` under xcoll's process-wide lock, which
     thread-per-device replicas (XLA:CPU, older TPUs) need to avoid compiling the
-    same graph once per thread; elsewhere it does nothing.
+    same graph once per thread, followed by a wait for this replica's execution;
+    elsewhere it does nothing.
     """
     _backends.current().sync()

@@ -308,7 +308,8 @@ class GlooPool(_SpawnedPool):
 
     def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
         self._check_args(per_rank_args)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         for r, conn in enumerate(self._conns):
             conn.send(
                 (fn, per_rank_args is not None, None if per_rank_args is None else per_rank_args[r])
@@ -321,7 +322,7 @@ class GlooPool(_SpawnedPool):
                 results.wait_time(deadline),
             )
             if not ready and time.monotonic() >= deadline:
-                raise self._crash(f"{_name(fn)}: the replicas did not finish in time")
+                raise self._crash(f"{_name(fn)}: the replicas did not finish within {limit:.0f} s")
             for r, conn in list(waiting.items()):
                 if conn in ready:
                     try:
@@ -333,7 +334,11 @@ class GlooPool(_SpawnedPool):
             if dead:
                 raise self._crash(f"{_name(fn)}: rank(s) {dead} died")
         complete, ordered = results.finish()
-        if not complete:
+        failed = sum(not ok for ok, _ in ordered)
+        if not complete or 0 < failed < self.world_size:
+            # Some ranks failed while others went on: a collective may be left
+            # half done (gloo closes the connections on a timeout), so start afresh.
+            # When every rank raised, the group is consistent and is kept.
             self.close(kill=True)
         return self._outcome(ordered, return_exceptions)
 
