@@ -33,8 +33,12 @@ BITS: dict[torch.dtype, torch.dtype] = {
 
 
 def _nan_bits(dtype: torch.dtype, negative: bool) -> int:
-    nan = torch.tensor(-float("nan") if negative else float("nan"), dtype=dtype)
-    return int(nan.view(BITS[dtype]).item())
+    """The quiet NaN of ``dtype`` as its signed integer bits, with the sign bit set
+    if ``negative``. (Built from bits: converting ``-nan`` to bfloat16 drops the
+    sign.)"""
+    positive = int(torch.tensor(float("nan"), dtype=dtype).view(BITS[dtype]).item())
+    width = 8 * dtype.itemsize
+    return positive - (1 << width) + (1 << (width - 1)) if negative else positive
 
 
 # The NaN each op lets win: +NaN is the largest key, -NaN the smallest.
