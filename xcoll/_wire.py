@@ -73,23 +73,29 @@ def decode_move(wire: torch.Tensor, dtype: torch.dtype, bitcast: Bitcast) -> tor
 def encode_reduce(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
     """``buf`` in the form whose integer or float all-reduce ``op`` gives the
     result: bools as uint8 (max = any, min = all), float max/min as ordered keys,
-    half-precision sums and products in float32."""
+    float sums and products with -0.0 as +0.0, half precision in float32."""
     if buf.dtype == torch.bool:
         return buf.to(torch.uint8)
     if buf.dtype.is_floating_point:
         if op in ("max", "min"):
             return encode_order(buf, op, bitcast)
-        return buf.to(_ACCUMULATE.get(buf.dtype, buf.dtype))
+        # + 0.0 turns -0.0 into +0.0 and changes nothing else. torch_xla's
+        # collective token does exactly this to every input, so doing it on every
+        # backend makes float sums and products bitwise the same everywhere.
+        return buf.to(_ACCUMULATE.get(buf.dtype, buf.dtype)) + 0.0
     return buf
 
 
 def decode_reduce(out: torch.Tensor, dtype: torch.dtype, op: str, bitcast: Bitcast) -> torch.Tensor:
-    """Inverse of :func:`encode_reduce` on the reduced tensor."""
+    """Inverse of :func:`encode_reduce` on the reduced tensor. A NaN result is
+    the quiet NaN ``float("nan")``: engines differ in the sign and payload of the
+    NaN an operation makes, and results must not depend on the engine."""
     if dtype == torch.bool:
         return out != 0
-    if dtype.is_floating_point and op in ("max", "min"):
-        return decode_order(out, dtype, bitcast)
-    return out.to(dtype)
+    if not dtype.is_floating_point:
+        return out.to(dtype)
+    out = decode_order(out, dtype, bitcast) if op in ("max", "min") else out.to(dtype)
+    return out.masked_fill(torch.isnan(out), float("nan"))
 
 
 def encode_order(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:

@@ -149,10 +149,10 @@ def xla_counters() -> dict[str, int]:
 class _SpawnedPool(ReplicaPool):
     """Replicas in spawned worker processes, each writing its stderr to a file."""
 
-    timeout: float
-    grace: float
-
-    def __init__(self) -> None:
+    def __init__(self, world_size: int, timeout: float, grace: float) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size, self.timeout, self.grace = world_size, timeout, grace
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._logs: list[str] = []
@@ -183,7 +183,8 @@ class _SpawnedPool(ReplicaPool):
         self.close(kill=True)
         return PoolCrashed(f"{why}\n--- tail of the worker's stderr ---\n{tail}")
 
-    def _check_args(self, per_rank_args: Sequence[Any] | None) -> None:
+    def _prepare(self, per_rank_args: Sequence[Any] | None) -> None:
+        """Checks the arguments and (re)starts the workers if they are not running."""
         if per_rank_args is not None and len(per_rank_args) != self.world_size:
             raise ValueError(
                 f"per_rank_args has {len(per_rank_args)} entries for {self.world_size} replicas"
@@ -245,10 +246,7 @@ class XlaPool(_SpawnedPool):
         grace: float = 5.0,
         env: dict[str, str] | None = None,
     ):
-        super().__init__()
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.world_size, self.timeout, self.grace = world_size, timeout, grace
+        super().__init__(world_size, timeout, grace)
         self._env = xla_cpu_env(world_size) if device == "CPU" else {"PJRT_DEVICE": device}
         self._env.update(env or {})
 
@@ -256,7 +254,7 @@ class XlaPool(_SpawnedPool):
         self._spawn(_xla_worker, self.world_size, self._env, self.grace)
 
     def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
-        self._check_args(per_rank_args)
+        self._prepare(per_rank_args)
         timeout = self.timeout if timeout is None else timeout
         conn, proc = self._conns[0], self._procs[0]
         conn.send((fn, per_rank_args))
@@ -293,10 +291,7 @@ class GlooPool(_SpawnedPool):
         grace: float = 5.0,
         collective_timeout: float = 60.0,
     ):
-        super().__init__()
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.world_size, self.timeout, self.grace = world_size, timeout, grace
+        super().__init__(world_size, timeout, grace)
         self.collective_timeout = collective_timeout
 
     def _start(self) -> None:
@@ -307,7 +302,7 @@ class GlooPool(_SpawnedPool):
             self._spawn(_gloo_worker, rank, self.world_size, port, self.collective_timeout)
 
     def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
-        self._check_args(per_rank_args)
+        self._prepare(per_rank_args)
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         for r, conn in enumerate(self._conns):
