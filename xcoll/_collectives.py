@@ -137,6 +137,8 @@ def gather(
     stack: bool = False,
     sync: bool = True,
     to_cpu: bool = False,
+    uneven: bool = False,
+    max_size: int | None = None,
     group: Any = None,
 ) -> Any:
     """Every replica's leaves, concatenated along ``dim`` in rank order.
@@ -155,10 +157,31 @@ def gather(
     ``group`` selects a torch.distributed process group (default: the default
     group); the backend follows from the leaves' device (see docs/design.md).
 
+    ``uneven=True`` lets tensor leaves differ in size along ``dim`` between
+    replicas (other dims and dtypes must match); the result holds exactly every
+    replica's entries, in rank order, and an empty shard is valid. It costs one
+    small shape exchange for the whole tree, then one gather of leaves padded to
+    a shared power-of-two size (so XLA compiles a bounded number of graphs); with
+    ``max_size`` (an upper bound known on every replica, e.g. the batch size) there
+    is no exchange and the call is a single execution. Uneven gathers stage
+    through the host (``sync=True`` only; ``stack`` does not apply).
+
     >>> import torch, xcoll
     >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
     {'x': tensor([1, 2]), 'n': [3]}
     """
+    if uneven or max_size is not None:
+        if stack or not sync:
+            raise ValueError(
+                "uneven gathers concatenate and run now: stack=True and sync=False do not apply"
+            )
+        if max_size is not None and (
+            isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0
+        ):
+            raise ValueError(f"max_size must be a non-negative int, got {max_size!r}")
+        from . import _uneven
+
+        return _uneven.gather(tree, dim=dim, max_size=max_size, to_cpu=to_cpu, group=group)
     flat = _tree.flatten(tree)
     _check_sync(flat, sync, to_cpu)
     dims = {
