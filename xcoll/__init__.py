@@ -10,6 +10,7 @@ One call communicates a whole pytree: one packed collective per dtype, one sync.
 """
 
 from ._collectives import broadcast, gather, rank, reduce, sync, world_size
+from ._samples import by_index
 
-__all__ = ["gather", "reduce", "broadcast", "rank", "world_size", "sync"]
+__all__ = ["gather", "reduce", "broadcast", "rank", "world_size", "sync", "by_index"]
 __version__ = "0.1.0"

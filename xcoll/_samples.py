@@ -1,0 +1,59 @@
+"""Samples in dataset order, each once: a pure function of gathered data.
+
+A distributed sampler pads the dataset so that every replica gets the same number
+of samples, so a gather of every replica's predictions holds some samples twice
+and is in rank order, not dataset order. Gathering each sample's dataset index
+with its data makes both fixable without any hidden state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _tree
+
+
+def by_index(tree: Any, index: torch.Tensor, *, dim: int = 0, length: int | None = None) -> Any:
+    """Every sample of ``tree`` once, ordered by its dataset ``index``.
+
+    ``index`` is a 1-d integer tensor with one entry per sample (the samples lie
+    along ``dim`` of every tensor leaf); where an index repeats, its first sample
+    is kept. With ``length``, the indices must be exactly ``0 .. length-1``
+    (``ValueError`` naming what is missing otherwise). Python scalar leaves are
+    returned as they are.
+
+    >>> import torch
+    >>> from xcoll import by_index
+    >>> gathered = {"pred": torch.tensor([10, 30, 20, 10]), "index": torch.tensor([0, 2, 1, 0])}
+    >>> by_index(gathered, gathered["index"], length=3)
+    {'pred': tensor([10, 20, 30]), 'index': tensor([0, 1, 2])}
+    """
+    if index.dim() != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
+        raise TypeError(
+            f"index must be a 1-d integer tensor, got {index.dtype} of shape {tuple(index.shape)}"
+        )
+    flat = _tree.flatten(tree)
+    unique, inverse = torch.unique(index, return_inverse=True)
+    positions = torch.arange(len(index), device=index.device)
+    first = torch.full_like(unique, len(index)).scatter_reduce(0, inverse, positions, reduce="amin")
+    if length is not None and not torch.equal(unique.cpu(), torch.arange(length)):
+        present = set(unique.tolist())
+        missing = [i for i in range(length) if i not in present][:10]
+        extra = [i for i in present if not 0 <= i < length][:10]
+        raise ValueError(
+            f"index does not cover 0..{length - 1} exactly: missing {missing}, outside {extra}"
+        )
+    out = []
+    for i, leaf in enumerate(flat.leaves):
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        d = dim % max(leaf.dim(), 1)
+        if leaf.dim() == 0 or leaf.shape[d] != len(index):
+            raise ValueError(
+                f"{flat.path(i)}: has shape {tuple(leaf.shape)}, not {len(index)} samples along dim {dim}"
+            )
+        out.append(leaf.index_select(d, first.to(leaf.device)))
+    return flat.unflatten(out)
