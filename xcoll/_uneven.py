@@ -9,7 +9,8 @@ give every replica a different program (and every size a new compilation).
 
 Calls without ``max_size`` first exchange every leaf's shape, in one small
 gather for the whole tree; with ``max_size`` the sizes travel with the data and
-the call is a single execution.
+the call is a single execution (plus one for the caller's pending work, if any,
+which runs first on its own).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def gather(tree: Any, *, dim: int, max_size: int | None, to_cpu: bool, group: An
                 f"{tuple(flat.leaves[i].shape)} (uneven gathers need a dim to grow)"
             )
         dims[i] = dim % nd
+    # The caller's pending work runs first, on its own: here it typically has
+    # shapes that differ between replicas, and in the graph of a collective that
+    # would give every replica a different program. (Nothing pending: no execution.)
+    backend.sync()
     host = dict(zip(idx, backend.to_host([flat.leaves[i] for i in idx])))
     local = [host[i].shape[dims[i]] for i in idx]
 
