@@ -9,8 +9,24 @@ One call communicates a whole pytree: one packed collective per dtype, one sync.
 {'loss': tensor([2.]), 'count': 3}
 """
 
+from ._codec import decode as decode_object
+from ._codec import encode as encode_object
 from ._collectives import broadcast, gather, rank, reduce, sync, world_size
+from ._objects import barrier, broadcast_object, gather_object
 from ._samples import by_index
 
-__all__ = ["gather", "reduce", "broadcast", "rank", "world_size", "sync", "by_index"]
+__all__ = [
+    "gather",
+    "reduce",
+    "broadcast",
+    "rank",
+    "world_size",
+    "sync",
+    "by_index",
+    "gather_object",
+    "broadcast_object",
+    "barrier",
+    "encode_object",
+    "decode_object",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,194 @@
+"""xcoll's object codec, object exchange and tagged barrier: no pickle anywhere."""
+
+from __future__ import annotations
+
+import ast
+import math
+import struct
+from pathlib import Path
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+
+import xcoll
+from tests.test_properties import PROPERTY
+
+FLOATS = (
+    st.floats()
+    | st.sampled_from([-0.0, math.inf, -math.inf])
+    | st.integers(0, 2**64 - 1).map(
+        lambda bits: struct.unpack(">d", bits.to_bytes(8, "big"))[
+            0
+        ]  # any bit pattern, NaN payloads included
+    )
+)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(-(2**200), 2**200)
+    | FLOATS
+    | st.text()
+    | st.binary()
+)
+OBJECTS = st.recursive(
+    SCALARS,
+    lambda c: (
+        st.lists(c, max_size=4)
+        | st.lists(c, max_size=4).map(tuple)
+        | st.dictionaries(st.text(max_size=5) | st.integers(), c, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def same(a, b) -> bool:
+    """Equal values of the same types, floats bit for bit."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack(">d", a) == struct.pack(">d", b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+# ---- the codec ---------------------------------------------------------------
+
+
+@given(OBJECTS)
+def test_codec_round_trip_is_exact(obj):
+    assert same(xcoll.decode_object(xcoll.encode_object(obj)), obj)
+
+
+class Thing:
+    pass
+
+
+@pytest.mark.parametrize(
+    "obj,path",
+    [
+        ({"a": [1, Thing()]}, "obj['a'][1]"),
+        ([{1, 2}], "obj[0]"),
+        ({"f": len}, "obj['f']"),
+        ({"t": [0, torch.ones(2)]}, "obj['t'][1]"),
+        ({(1, 2): 3}, "obj: dict key (1, 2)"),
+        ([True, 1.5, __import__("enum").IntEnum("E", "A").A], "obj[2]"),
+    ],
+)
+def test_codec_refuses_with_the_path(obj, path):
+    with pytest.raises(TypeError) as e:
+        xcoll.encode_object(obj)
+    assert str(e.value).startswith(path)
+
+
+@given(st.binary(max_size=200))
+def test_decoder_fuzz_raises_value_error_or_decodes(data):
+    try:
+        xcoll.decode_object(data)
+    except ValueError as e:
+        assert "malformed xcoll encoding" in str(e)
+
+
+@given(OBJECTS, st.data())
+def test_truncated_or_corrupted_encodings_are_refused(obj, data):
+    enc = xcoll.encode_object(obj)
+    cut = data.draw(st.integers(0, len(enc) - 1), "cut")
+    with pytest.raises(ValueError, match="malformed"):
+        xcoll.decode_object(enc[:cut])
+    flipped = bytearray(enc)
+    at = data.draw(st.integers(0, len(enc) - 1), "at")
+    flipped[at] ^= data.draw(st.integers(1, 255), "xor")
+    try:
+        xcoll.decode_object(bytes(flipped))  # may still be a valid encoding
+    except ValueError as e:
+        assert "malformed" in str(e)
+
+
+def test_no_module_of_xcoll_imports_pickle_or_calls_torch_load():
+    for path in Path(xcoll.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                names = []
+            assert not any(
+                n.split(".")[0] in ("pickle", "cPickle", "cloudpickle", "dill") for n in names
+            ), path
+            if isinstance(node, ast.Call):
+                f = node.func
+                assert not (
+                    isinstance(f, ast.Attribute)
+                    and f.attr == "load"
+                    and getattr(f.value, "id", "") == "torch"
+                ), path
+                assert not (isinstance(f, ast.Name) and f.id in ("eval", "exec")), path
+
+
+# ---- exchange on replicas ------------------------------------------------------
+
+
+def _gather_object(objs):
+    return xcoll.gather_object(objs[xcoll.rank()])
+
+
+def _broadcast_object(args):
+    objs, src = args
+    return xcoll.broadcast_object(objs[xcoll.rank()], src=src)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_gather_and_broadcast_objects(pool, data):
+    w = pool.world_size
+    objs = data.draw(st.lists(OBJECTS, min_size=w, max_size=w), "objs")
+    for got in pool.run(_gather_object, [objs] * w):
+        assert same(got, objs)
+    src = data.draw(st.integers(0, w - 1), "src")
+    for got in pool.run(_broadcast_object, [(objs, src)] * w):
+        assert same(got, objs[src])
+
+
+def _one_bad(which):
+    obj = {"ok": 1} if xcoll.rank() != 0 else {"bad": {1, 2}}
+    if which == "gather":
+        return xcoll.gather_object(obj)
+    return xcoll.broadcast_object(obj, src=0)
+
+
+@pytest.mark.parametrize("which", ["gather", "broadcast"])
+def test_an_unencodable_object_raises_on_every_replica(pool, which):
+    failures = pool.run(_one_bad, [which] * pool.world_size, return_exceptions=True)
+    assert failures[0].type_name == "builtins.TypeError" and "obj['bad']" in failures[0].message
+    for f in failures[1:]:
+        assert f.type_name == "builtins.ValueError" and "[0]" in f.message
+    assert (
+        pool.run(_gather_object, [[7] * pool.world_size] * pool.world_size)
+        == [[7] * pool.world_size] * pool.world_size
+    )
+
+
+def _barrier(tags):
+    xcoll.barrier(tags[xcoll.rank()])
+    return "passed"
+
+
+def test_barrier_passes_with_one_tag_and_names_different_ones(pool):
+    w = pool.world_size
+    assert pool.run(_barrier, [["epoch-1"] * w] * w) == ["passed"] * w
+    if w == 1:
+        return
+    tags = ["epoch-1"] * w
+    tags[-1] = "epoch-2"
+    failures = pool.run(_barrier, [tags] * w, return_exceptions=True)
+    for f in failures:
+        assert f.type_name == "builtins.ValueError"
+        assert f"rank {w - 1}: 'epoch-2'" in f.message and "rank 0: 'epoch-1'" in f.message
+    assert pool.run(_barrier, [["again"] * w] * w) == ["passed"] * w

@@ -1,0 +1,155 @@
+"""xcoll's object codec: JSON-like values to bytes and back, exactly.
+
+Encodes ``None``, ``bool``, ``int`` (any size), ``float`` (every bit: NaN
+payloads, ``-0.0``, infinities), ``str``, ``bytes``, ``list``, ``tuple`` and
+``dict`` with ``str`` or ``int`` keys; types are preserved (a tuple stays a
+tuple, dict order is kept). Anything else, subclasses included (an ``IntEnum``
+would come back as a plain int), raises ``TypeError`` naming its path. Decoding
+reads only these tags and lengths: malformed bytes raise ``ValueError`` and
+never run code. No pickle, no ``eval``.
+
+Format: one tag byte, then for ``int`` a sign byte and a length-prefixed
+big-endian magnitude, for ``float`` 8 IEEE bytes, for ``str``/``bytes`` a length
+and the bytes, for containers a count and the items. Lengths are 8-byte
+big-endian unsigned integers.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+_NONE, _TRUE, _FALSE, _INT, _FLOAT, _STR, _BYTES, _LIST, _TUPLE, _DICT = b"NTFIDSBLUM"
+_LEN = struct.Struct(">Q")
+_F64 = struct.Struct(">d")
+MAX_DEPTH = 200
+
+
+def encode(obj: Any) -> bytes:
+    """``obj`` as bytes; ``TypeError`` naming the path of anything unsupported.
+
+    >>> decode(encode({"a": (1, -0.0, None), 2: [b"x", "é", 10**30]}))
+    {'a': (1, -0.0, None), 2: [b'x', 'é', 1000000000000000000000000000000]}
+    """
+    out = bytearray()
+    _encode(obj, out, "obj", 0)
+    return bytes(out)
+
+
+def _encode(obj: Any, out: bytearray, path: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{path}: nested more than {MAX_DEPTH} levels deep")
+    t = type(obj)
+    if obj is None:
+        out.append(_NONE)
+    elif t is bool:
+        out.append(_TRUE if obj else _FALSE)
+    elif t is int:
+        magnitude = abs(obj).to_bytes((abs(obj).bit_length() + 7) // 8, "big")
+        out += bytes([_INT, obj < 0]) + _LEN.pack(len(magnitude)) + magnitude
+    elif t is float:
+        out.append(_FLOAT)
+        out += _F64.pack(obj)
+    elif t is str:
+        data = obj.encode("utf-8", "surrogatepass")
+        out.append(_STR)
+        out += _LEN.pack(len(data)) + data
+    elif t is bytes:
+        out.append(_BYTES)
+        out += _LEN.pack(len(obj)) + obj
+    elif t is list or t is tuple:
+        out.append(_LIST if t is list else _TUPLE)
+        out += _LEN.pack(len(obj))
+        for i, item in enumerate(obj):
+            _encode(item, out, f"{path}[{i}]", depth + 1)
+    elif t is dict:
+        out.append(_DICT)
+        out += _LEN.pack(len(obj))
+        for key, value in obj.items():
+            if type(key) not in (str, int):
+                raise TypeError(
+                    f"{path}: dict key {key!r} of type {type(key).__qualname__}; keys must be str or int"
+                )
+            _encode(key, out, f"{path} key {key!r}", depth + 1)
+            _encode(value, out, f"{path}[{key!r}]", depth + 1)
+    else:
+        raise TypeError(
+            f"{path}: cannot encode {t.__qualname__}; xcoll's codec takes None, bool, int, "
+            "float, str, bytes, and lists, tuples and dicts of them"
+        )
+
+
+def decode(data: bytes) -> Any:
+    """The value :func:`encode` made; ``ValueError`` if ``data`` is not exactly one."""
+    value, end = _decode(memoryview(bytes(data)), 0, 0)
+    if end != len(data):
+        raise ValueError(f"malformed xcoll encoding: {len(data) - end} bytes after the value")
+    return value
+
+
+def _take(buf: memoryview, at: int, n: int) -> tuple[memoryview, int]:
+    if n > len(buf) - at:
+        raise ValueError(
+            f"malformed xcoll encoding: needs {n} bytes at offset {at}, has {len(buf) - at}"
+        )
+    return buf[at : at + n], at + n
+
+
+def _length(buf: memoryview, at: int) -> tuple[int, int]:
+    raw, at = _take(buf, at, _LEN.size)
+    return _LEN.unpack(raw)[0], at
+
+
+def _decode(buf: memoryview, at: int, depth: int) -> tuple[Any, int]:
+    if depth > MAX_DEPTH:
+        raise ValueError(
+            f"malformed xcoll encoding: nested more than {MAX_DEPTH} levels at offset {at}"
+        )
+    tag_raw, at = _take(buf, at, 1)
+    tag = tag_raw[0]
+    if tag == _NONE:
+        return None, at
+    if tag in (_TRUE, _FALSE):
+        return tag == _TRUE, at
+    if tag == _INT:
+        sign, at = _take(buf, at, 1)
+        if sign[0] > 1:
+            raise ValueError(f"malformed xcoll encoding: sign byte {sign[0]} at offset {at - 1}")
+        n, at = _length(buf, at)
+        raw, at = _take(buf, at, n)
+        value = int.from_bytes(raw, "big")
+        return (-value if sign[0] else value), at
+    if tag == _FLOAT:
+        raw, at = _take(buf, at, _F64.size)
+        return _F64.unpack(raw)[0], at
+    if tag in (_STR, _BYTES):
+        n, at = _length(buf, at)
+        raw, at = _take(buf, at, n)
+        if tag == _BYTES:
+            return bytes(raw), at
+        try:
+            return bytes(raw).decode("utf-8", "surrogatepass"), at
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"malformed xcoll encoding: bad UTF-8 at offset {at - n}: {e}"
+            ) from None
+    if tag in (_LIST, _TUPLE, _DICT):
+        n, at = _length(buf, at)
+        if n > len(buf) - at:  # every item takes at least one byte
+            raise ValueError(f"malformed xcoll encoding: {n} items cannot fit at offset {at}")
+        if tag == _DICT:
+            out = {}
+            for _ in range(n):
+                key, at = _decode(buf, at, depth + 1)
+                if type(key) not in (str, int):
+                    raise ValueError(
+                        f"malformed xcoll encoding: dict key of type {type(key).__name__}"
+                    )
+                out[key], at = _decode(buf, at, depth + 1)
+            return out, at
+        items = []
+        for _ in range(n):
+            item, at = _decode(buf, at, depth + 1)
+            items.append(item)
+        return (items if tag == _LIST else tuple(items)), at
+    raise ValueError(f"malformed xcoll encoding: unknown tag {tag!r} at offset {at - 1}")
