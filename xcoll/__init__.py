@@ -13,6 +13,7 @@ from ._codec import decode as decode_object
 from ._codec import encode as encode_object
 from ._collectives import broadcast, gather, rank, reduce, sync, world_size
 from ._objects import barrier, broadcast_object, gather_object
+from ._rng import rng_state, set_rng_state, sync_rng_state
 from ._samples import by_index
 
 __all__ = [
@@ -28,5 +29,8 @@ __all__ = [
     "barrier",
     "encode_object",
     "decode_object",
+    "rng_state",
+    "set_rng_state",
+    "sync_rng_state",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,87 @@
+"""sync_rng_state: replica src's generator states everywhere, in one call."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import xcoll
+from tests.replicas import device
+from tests.test_counters import _counters
+
+
+def _sync_then_draw(src):
+    rank, dev = xcoll.rank(), device()
+    g = torch.Generator().manual_seed(100 + rank)  # one per replica, passed in
+    on_xla = dev.type == "xla"
+    if on_xla:  # the CPU, Python and NumPy generators are shared by the replica threads
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(1000 + rank, dev)
+    else:
+        torch.manual_seed(rank)
+        random.seed(rank)
+        np.random.seed(rank)
+    xcoll.sync_rng_state(src=src, generators=[g])
+    out = {"generator": torch.rand(3, generator=g)}
+    if on_xla:
+        out["xla seed"] = xm.get_rng_state(dev)  # (drawing advances it)
+        out["xla"] = torch.rand(3, device=dev).cpu()
+    else:
+        out.update(torch=torch.rand(3), python=random.random(), numpy=float(np.random.rand()))
+    return out
+
+
+def test_every_generator_draws_what_src_draws(pool):
+    w = pool.world_size
+    src = w - 1
+    results = pool.run(_sync_then_draw, [src] * w)
+    assert torch.equal(
+        results[0]["generator"], torch.rand(3, generator=torch.Generator().manual_seed(100 + src))
+    )
+    if pool.device_type == "xla":
+        assert all(r["xla seed"] == 1000 + src for r in results)
+        assert all(torch.equal(r["xla"], results[0]["xla"]) for r in results)
+    else:
+        torch.manual_seed(src)
+        random.seed(src)
+        np.random.seed(src)
+        assert torch.equal(results[0]["torch"], torch.rand(3))
+        assert results[0]["python"] == random.random()
+        assert results[0]["numpy"] == float(np.random.rand())
+    for r in results[1:]:
+        assert r.keys() == results[0].keys()
+        for k in r:
+            assert torch.equal(torch.as_tensor(r[k]), torch.as_tensor(results[0][k])), k
+
+
+def _sync(_):
+    xcoll.sync_rng_state()
+
+
+def test_one_execution_per_replica_on_xla(xla4):
+    w = xla4.world_size
+    xla4.run(_sync, [None] * w)  # compile
+    before = xla4.run(_counters)[0]
+    xla4.run(_sync, [None] * w)
+    after = xla4.run(_counters)[0]
+    assert after["executions"] - before["executions"] == w
+    assert after["compiles"] - before["compiles"] == 0
+
+
+def test_state_round_trip_in_one_process():
+    g = torch.Generator().manual_seed(5)
+    state = xcoll.rng_state([g])
+    first = (torch.rand(2), random.random(), np.random.rand(), torch.rand(2, generator=g))
+    xcoll.set_rng_state(state, [g])
+    again = (torch.rand(2), random.random(), np.random.rand(), torch.rand(2, generator=g))
+    assert (
+        torch.equal(first[0], again[0])
+        and first[1:3] == again[1:3]
+        and torch.equal(first[3], again[3])
+    )
+    with pytest.raises(ValueError, match="1 generators, 0 were passed"):
+        xcoll.set_rng_state(state)
