@@ -66,7 +66,8 @@ def rng_state(generators: Sequence[torch.Generator] = ()) -> dict[str, Any]:
     if dev is not None:
         import torch_xla.core.xla_model as xm
 
-        state["xla"] = int(xm.get_rng_state(dev))
+        seed = int(xm.get_rng_state(dev))  # a uint64: carried as the int64 of the same bits
+        state["xla"] = seed - (1 << 64) if seed >= 1 << 63 else seed
     return state
 
 
@@ -96,7 +97,7 @@ def set_rng_state(state: dict[str, Any], generators: Sequence[torch.Generator] =
     if "xla" in cpu:
         import torch_xla.core.xla_model as xm
 
-        xm.set_rng_state(cpu["xla"], _xla_device())
+        xm.set_rng_state(cpu["xla"] % (1 << 64), _xla_device())
 
 
 def sync_rng_state(
