@@ -20,7 +20,7 @@ def test_demo_runs_and_matches_the_single_process_reference():
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "OK" in result.stdout
-    assert "graph executions per replica: 9 (8 batches" in result.stdout
+    assert "graph executions per replica: 10 (8 batches" in result.stdout
 
 
 @pytest.mark.parametrize("module", [xcoll, xcoll._collectives])

@@ -9,6 +9,7 @@ One call communicates a whole pytree: one packed collective per dtype, one sync.
 {'loss': tensor([2.]), 'count': 3}
 """
 
+from ._check import CollectiveMismatchError, consistency_checks
 from ._codec import decode as decode_object
 from ._codec import encode as encode_object
 from ._collectives import broadcast, gather, rank, reduce, sync, world_size
@@ -32,5 +33,7 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "sync_rng_state",
+    "CollectiveMismatchError",
+    "consistency_checks",
 ]
 __version__ = "0.1.0"

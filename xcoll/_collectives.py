@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import _backends, _pack, _tree, _wire
+from . import _backends, _check, _pack, _tree, _wire
 
 OPS = ("sum", "mean", "max", "min", "prod")
 
@@ -170,6 +170,44 @@ def gather(
     >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
     {'x': tensor([1, 2]), 'n': [3]}
     """
+    with _check.outermost() as outer:
+        if outer:
+            params = f"dim={dim} stack={stack} uneven={uneven or max_size is not None} max_size={max_size} to_cpu={to_cpu} sync={sync}"
+            _check.check(
+                "xcoll.gather",
+                lambda: [params, *_describe_gather(tree, dim, stack, uneven, max_size, group)],
+                group=group,
+            )
+        return _gather(
+            tree,
+            dim=dim,
+            stack=stack,
+            sync=sync,
+            to_cpu=to_cpu,
+            uneven=uneven,
+            max_size=max_size,
+            group=group,
+        )
+
+
+def _describe_gather(tree, dim, stack, uneven, max_size, group) -> list[str]:
+    flat = _tree.flatten(tree)
+    _backends.resolve(flat, group)  # device errors are shared like the others
+    if uneven or max_size is not None:
+        # only the growing dim may differ between replicas
+        dims = {
+            i: dim % max(leaf.dim(), 1)
+            for i, leaf in enumerate(flat.leaves)
+            if isinstance(leaf, torch.Tensor)
+        }
+        return [*_check.describe_tree(flat, dims), str(flat.treespec)]
+    for i, leaf in enumerate(flat.leaves):
+        if isinstance(leaf, torch.Tensor):
+            _gather_dim(flat, i, dim, stack)
+    return [*_check.describe_tree(flat), str(flat.treespec)]
+
+
+def _gather(tree, *, dim, stack, sync, to_cpu, uneven, max_size, group):
     if uneven or max_size is not None:
         if stack or not sync:
             raise ValueError(
@@ -230,6 +268,24 @@ def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) 
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
     {'loss': tensor(0.5000), 'n': 4}
     """
+
+    def describe() -> list[str]:
+        flat, ops, _, _ = _reduce_plan(tree, op, sync, group)
+        lines = _check.describe_tree(flat)
+        return [
+            f"sync={sync}",
+            *(f"{line} op={o}" for line, o in zip(lines, ops)),
+            str(flat.treespec),
+        ]
+
+    with _check.outermost() as outer:
+        if outer:
+            _check.check("xcoll.reduce", describe, group=group)
+        return _reduce(tree, op, sync, group)
+
+
+def _reduce_plan(tree: Any, op: Any, sync: bool, group: Any):
+    """Validates a reduce: (flat, op per leaf, bucket key per leaf, backend)."""
     flat = _tree.flatten(tree)
     _check_sync(flat, sync)
     ops = _tree.broadcast_prefix(op, flat, "op")
@@ -252,7 +308,11 @@ def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) 
                 f"{flat.path(i)}: op {ops[i]!r} is not defined for {dtype}; {_REFUSED[ops[i]]}"
             )
         keys.append((dtype, table[ops[i]]))
-    backend = _backends.resolve(flat, group)
+    return flat, ops, keys, _backends.resolve(flat, group)
+
+
+def _reduce(tree: Any, op: Any, sync: bool, group: Any) -> Any:
+    flat, ops, keys, backend = _reduce_plan(tree, op, sync, group)
     w = backend.world_size()
     buckets = _pack.plan(flat.leaves, keys, [k[0] for k in keys])
 
@@ -280,12 +340,29 @@ def broadcast(tree: Any, *, src: int = 0, sync: bool = True, group: Any = None) 
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
     {'seed': 7, 'w': tensor([1., 1.])}
     """
+
+    def describe() -> list[str]:
+        flat, _ = _broadcast_plan(tree, src, sync, group)
+        return [f"src={src} sync={sync}", *_check.describe_tree(flat), str(flat.treespec)]
+
+    with _check.outermost() as outer:
+        if outer:
+            _check.check("xcoll.broadcast", describe, group=group)
+        return _broadcast(tree, src, sync, group)
+
+
+def _broadcast_plan(tree: Any, src: Any, sync: bool, group: Any):
     flat = _tree.flatten(tree)
     _check_sync(flat, sync)
     backend = _backends.resolve(flat, group)
     w = backend.world_size()
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < w:
         raise ValueError(f"src={src!r} is not a replica rank: world size is {w}")
+    return flat, backend
+
+
+def _broadcast(tree: Any, src: int, sync: bool, group: Any) -> Any:
+    flat, backend = _broadcast_plan(tree, src, sync, group)
     dtypes = [_dtype(leaf) for leaf in flat.leaves]
     buckets = _pack.plan(flat.leaves, dtypes, dtypes)
 

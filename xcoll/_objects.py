@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import _backends, _codec, _collectives
+from . import _backends, _check, _codec, _collectives
 from ._uneven import size_bucket
 
 
@@ -51,6 +51,13 @@ def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
     >>> xcoll.gather_object({"epoch": 3, "tags": ("a", "b")})  # a world of one
     [{'epoch': 3, 'tags': ('a', 'b')}]
     """
+    with _check.outermost() as outer:
+        if outer:
+            _check.check("xcoll.gather_object", list, group=group)
+        return _gather_object(obj, group)
+
+
+def _gather_object(obj: Any, group: Any) -> list[Any]:
     backend = _backends.current(group)
     data, error = _encode_or_error(obj)
     sizes = _collectives.gather(-1 if error else len(data), group=group)
@@ -69,6 +76,13 @@ def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
     >>> xcoll.broadcast_object(["config", {"lr": 0.1}])
     ['config', {'lr': 0.1}]
     """
+    with _check.outermost() as outer:
+        if outer:
+            _check.check("xcoll.broadcast_object", lambda: [f"src={src}"], group=group)
+        return _broadcast_object(obj, src, group)
+
+
+def _broadcast_object(obj: Any, src: int, group: Any) -> Any:
     backend = _backends.current(group)
     mine = backend.rank() == src
     data, error = _encode_or_error(obj) if mine else (b"", None)
@@ -89,14 +103,26 @@ def barrier(tag: str = "", *, group: Any = None) -> None:
     >>> import xcoll
     >>> xcoll.barrier("epoch-end")
     """
+    with _check.outermost() as outer:
+        if outer:
+            _check.check("xcoll.barrier", lambda: _tag_type(tag), group=group)
+        _barrier(tag, group)
+
+
+def _tag_type(tag: Any) -> list[str]:
     if type(tag) is not str:
         raise TypeError(f"barrier tag must be a str, got {type(tag).__qualname__}")
+    return []  # the tags themselves are compared below, and named if they differ
+
+
+def _barrier(tag: str, group: Any) -> None:
+    _tag_type(tag)
     backend = _backends.current(group)
     digest = torch.frombuffer(
         bytearray(hashlib.sha256(tag.encode("utf-8", "surrogatepass")).digest()), dtype=torch.uint8
     )
     every = _collectives.gather(backend.upload(digest), stack=True, to_cpu=True, group=group)
     if not bool((every == every[0]).all()):
-        tags = gather_object(tag, group=group)  # every replica takes this branch
+        tags = _gather_object(tag, group)  # every replica takes this branch
         listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
         raise ValueError(f"barrier tags differ between replicas ({listing})")

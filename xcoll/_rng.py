@@ -22,7 +22,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _backends, _collectives
+from . import _backends, _check, _collectives
 
 
 def _numpy():
@@ -108,6 +108,17 @@ def sync_rng_state(
     Afterwards ``torch.rand``, the XLA RNG, ``random.random()``, NumPy and every
     generator in ``generators`` draw the same values on every replica.
     """
+    with _check.outermost() as outer:
+        if outer:
+            _check.check(
+                "xcoll.sync_rng_state",
+                lambda: [f"src={src} generators={len(generators)}"],
+                group=group,
+            )
+        _sync_rng_state(src, generators, group)
+
+
+def _sync_rng_state(src: int, generators: Sequence[torch.Generator], group: Any) -> None:
     backend = _backends.current(group)
     state = optree.tree_map(
         lambda x: backend.upload(x) if isinstance(x, torch.Tensor) else x, rng_state(generators)
