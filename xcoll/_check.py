@@ -1,12 +1,14 @@
 """Cross-replica consistency check: a clear error on every replica instead of a
 hang or silently wrong data when replicas make different calls.
 
-Before a call communicates, every replica describes it (function, op, src, tag,
+Before a call communicates, every replica describes it (function, op, src,
 tree structure, each leaf's path, dtype and shape, or the local error that
 stopped it) and exchanges a 32-byte SHA-256 of that description: the same size
 on every replica, whatever their trees, so the exchange itself cannot hang on
-mismatched input. If the digests differ, every replica gathers the descriptions
-and raises :class:`CollectiveMismatchError` naming the first difference.
+mismatched input. It runs on its own (on XLA, a graph of just the exchange: the
+caller's pending work differs between replicas exactly when their calls do). If
+the digests differ, every replica exchanges the descriptions and raises
+:class:`CollectiveMismatchError` naming the first difference.
 
 When it runs (``XCOLL_CHECK`` or :func:`consistency_checks`): ``"first"`` (the
 default) checks the first call of each replica, which catches a structure that
@@ -104,19 +106,24 @@ def check(name: str, describe: Callable[[], list[str]], *, group: Any = None) ->
 
 
 def _compare(name: str, lines: list[str], error: Exception | None, group: Any) -> None:
-    from . import _backends, _collectives, _objects
+    from . import _backends
 
     backend = _backends.current(group)
-    digest = hashlib.sha256("\n".join(lines).encode("utf-8", "surrogatepass")).digest()
-    tensor = backend.upload(torch.frombuffer(bytearray(digest), dtype=torch.uint8))
-    every = _collectives.gather(tensor, stack=True, to_cpu=True, group=group)
+    text = "\n".join(lines).encode("utf-8", "surrogatepass")
+    every = backend.exchange(_bytes(backend, hashlib.sha256(text).digest()))
     me = backend.rank()
     differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[me])]
     if not differ:
         return
-    everyone = _objects._gather_object(lines, group)  # every replica takes this branch
+    # Every replica takes this branch: exchange the descriptions themselves.
+    sizes = backend.exchange(backend.upload(torch.tensor([len(text)], dtype=torch.int64)))[:, 0]
+    padded = text + bytes(int(sizes.max()) - len(text))
+    raw = backend.exchange(_bytes(backend, padded))
     other = differ[0]
-    mine, theirs = everyone[me], everyone[other]
+    mine = lines
+    theirs = (
+        bytes(raw[other, : int(sizes[other])].tolist()).decode("utf-8", "surrogatepass").split("\n")
+    )
     at = next(
         (k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs))
     )
@@ -129,3 +136,7 @@ def _compare(name: str, lines: list[str], error: Exception | None, group: Any) -
     if error is None:
         raise CollectiveMismatchError(message)
     raise type(error)(f"{error} [{message}]") from error
+
+
+def _bytes(backend: Any, data: bytes) -> torch.Tensor:
+    return backend.upload(torch.frombuffer(bytearray(data), dtype=torch.uint8))

@@ -66,6 +66,15 @@ class Backend(ABC):
         """CPU copies of ``tensors``, fetched together."""
         return [t.cpu() for t in tensors]
 
+    def exchange(self, buf: torch.Tensor) -> torch.Tensor:
+        """Every replica's 1-d ``buf`` as a ``(W, n)`` CPU tensor, run on its own:
+        on lazy backends nothing else pending joins it (the caller's pending
+        work may differ between replicas, as it does when their calls do)."""
+        out = self.all_gather(buf)
+        self.wait()
+        self.sync()
+        return self.to_host([out])[0].view(self.world_size(), -1)
+
 
 class LocalBackend(Backend):
     """A single process with no collectives engine: world size 1."""

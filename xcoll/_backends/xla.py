@@ -58,6 +58,10 @@ _bitcasts: dict[tuple, object] = {}
 _bitcasts_lock = threading.Lock()
 
 
+def _wait(device: torch.device) -> None:
+    torch_xla._XLAC._xla_wait_device_ops(devices=torch_xla._XLAC._xla_real_devices([str(device)]))
+
+
 def sync(device: torch.device | None = None) -> None:
     """Runs this replica's pending graph and waits for it to finish.
 
@@ -72,7 +76,7 @@ def sync(device: torch.device | None = None) -> None:
     device = device or torch_xla.device()
     with SYNC_LOCK:
         torch_xla.sync()
-    torch_xla._XLAC._xla_wait_device_ops(devices=torch_xla._XLAC._xla_real_devices([str(device)]))
+    _wait(device)
 
 
 class XlaBackend(Backend):
@@ -124,3 +128,10 @@ class XlaBackend(Backend):
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(torch_xla._XLAC._xla_get_cpu_tensors(list(tensors)))
+
+    def exchange(self, buf: torch.Tensor) -> torch.Tensor:
+        out = self.all_gather(buf)
+        with SYNC_LOCK:  # runs the graph of ``out`` alone, not everything pending
+            torch_xla._XLAC._xla_sync_multi([out], devices=[], wait=False)
+        _wait(self.device)
+        return self.to_host([out])[0].view(self.world_size(), -1)
