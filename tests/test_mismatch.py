@@ -104,3 +104,61 @@ def test_modes():
     with pytest.raises(ValueError, match="mode must be one of"):
         with xcoll.consistency_checks("sometimes"):
             pass
+
+
+def _layouts(_):
+    rank, dev = xcoll.rank(), device()
+    base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5) + 100 * rank
+    tree = {
+        "expanded": (torch.arange(3.0) + rank).to(dev).expand(4, 3),
+        "channels_last": base.to(memory_format=torch.channels_last).to(dev),
+        "transposed": base[0, 0].to(dev).t(),
+    }
+    return {
+        "gather": {k: v.cpu() for k, v in xcoll.gather(tree).items()},
+        "sum": {k: v.cpu() for k, v in xcoll.reduce(tree).items()},
+        "broadcast": {k: v.cpu() for k, v in xcoll.broadcast(tree, src=xcoll.world_size() - 1).items()},
+    }
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_expanded_channels_last_and_transposed_inputs(world):
+    pool = _shared(world)
+    w = pool.world_size
+    base = [torch.arange(120, dtype=torch.float32).reshape(2, 3, 4, 5) + 100 * r for r in range(w)]
+    want = {
+        "expanded": [(torch.arange(3.0) + r).expand(4, 3) for r in range(w)],
+        "channels_last": base,
+        "transposed": [b[0, 0].t() for b in base],
+    }
+    for out in pool.run(_layouts, [None] * w):
+        for k, parts in want.items():
+            assert torch.equal(out["gather"][k], torch.cat(parts)), k
+            assert torch.equal(out["sum"][k], sum(parts)), k
+            assert torch.equal(out["broadcast"][k], parts[-1]), k
+
+
+def _wrap(_):
+    dev, r = device(), xcoll.rank()
+    tree = {
+        "int8": torch.tensor([127, -128], dtype=torch.int8),
+        "uint8": torch.tensor([255, 1], dtype=torch.uint8),
+        "int32": torch.tensor([2**31 - 1], dtype=torch.int32),
+        "int64": torch.tensor([2**63 - 1], dtype=torch.int64),
+    }
+    return {k: v.cpu() for k, v in xcoll.reduce({k: v.to(dev) for k, v in tree.items()}, "sum").items()}, r
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_integer_sums_wrap_as_the_dtype_does(world):
+    pool = _shared(world)
+    w = pool.world_size
+    for out, _ in pool.run(_wrap, [None] * w):
+        expected = {
+            "int8": torch.tensor([127 * w, -128 * w]).to(torch.int8),  # two's complement wrap
+            "uint8": torch.tensor([255 * w, w]).to(torch.uint8),
+            "int32": torch.tensor([(2**31 - 1) * w]).to(torch.int32),
+            "int64": torch.tensor([2**63 - 1], dtype=torch.int64) * w,
+        }
+        for k in expected:
+            assert torch.equal(out[k], expected[k].to(out[k].dtype)), (k, out[k], expected[k])
