@@ -84,3 +84,21 @@ def test_eval_loop_example_on_every_world(pool):
         assert out["count"] == n
         assert out["accuracy"] == ref["accuracy"]
         assert abs(out["loss"] - ref["loss"]) < 1e-5
+
+
+def test_bench_check_runs_and_reports_the_extra_execution():
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.check", "--replicas", "2", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in result.stdout.splitlines()
+        if line.startswith("| XLA") or line.startswith("| gloo")
+    }
+    assert set(rows) == {"XLA:CPU", "gloo"}
+    assert all(float(c) > 0 for c in rows["XLA:CPU"][:2] + rows["gloo"][:2])
+    assert float(rows["XLA:CPU"][3]) == 2  # the check's exchange, then the gather

@@ -97,7 +97,10 @@ def _uneven_empty(_):
 @pytest.mark.parametrize("world", WORLDS)
 def test_an_empty_shard_is_valid_for_uneven_gathers(world):
     pool = _shared(world)
-    assert pool.run(_uneven_empty, [None] * pool.world_size) == [2 * (pool.world_size - 1)] * pool.world_size
+    assert (
+        pool.run(_uneven_empty, [None] * pool.world_size)
+        == [2 * (pool.world_size - 1)] * pool.world_size
+    )
 
 
 def test_modes():
@@ -117,7 +120,9 @@ def _layouts(_):
     return {
         "gather": {k: v.cpu() for k, v in xcoll.gather(tree).items()},
         "sum": {k: v.cpu() for k, v in xcoll.reduce(tree).items()},
-        "broadcast": {k: v.cpu() for k, v in xcoll.broadcast(tree, src=xcoll.world_size() - 1).items()},
+        "broadcast": {
+            k: v.cpu() for k, v in xcoll.broadcast(tree, src=xcoll.world_size() - 1).items()
+        },
     }
 
 
@@ -146,7 +151,9 @@ def _wrap(_):
         "int32": torch.tensor([2**31 - 1], dtype=torch.int32),
         "int64": torch.tensor([2**63 - 1], dtype=torch.int64),
     }
-    return {k: v.cpu() for k, v in xcoll.reduce({k: v.to(dev) for k, v in tree.items()}, "sum").items()}, r
+    return {
+        k: v.cpu() for k, v in xcoll.reduce({k: v.to(dev) for k, v in tree.items()}, "sum").items()
+    }, r
 
 
 @pytest.mark.parametrize("world", WORLDS)
