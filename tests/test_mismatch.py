@@ -169,3 +169,24 @@ def test_integer_sums_wrap_as_the_dtype_does(world):
         }
         for k in expected:
             assert torch.equal(out[k], expected[k].to(out[k].dtype)), (k, out[k], expected[k])
+
+
+def _downcast(kind):
+    dev = device()
+    tree = {"ok": torch.ones(2, dtype=torch.int32).to(dev)}
+    if kind == "tensor":
+        tree["x"] = torch.ones(2).to(dev)
+    elif kind == "python float":
+        tree["x"] = 0.5
+    return xcoll.gather(tree, to_cpu=True)["ok"].tolist()
+
+
+def test_dtypes_the_device_narrows_are_refused_on_every_replica():
+    from xcoll.testing import XlaPool
+
+    with XlaPool(2, env={"XLA_USE_BF16": "1"}) as pool:
+        for kind in ("tensor", "python float"):
+            failures = pool.run(_downcast, [kind] * 2, return_exceptions=True)
+            assert [f.type_name for f in failures] == ["builtins.TypeError"] * 2
+            assert all("tree['x']" in f.message and "XLA_USE_BF16" in f.message for f in failures)
+        assert pool.run(_downcast, ["none"] * 2) == [[1, 1, 1, 1]] * 2

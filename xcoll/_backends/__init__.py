@@ -56,6 +56,9 @@ class Backend(ABC):
     def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
         """Replica ``src``'s integer buffer, bit for bit, on every replica."""
 
+    def validate(self, flat: Flat) -> None:
+        """Refuses leaves this engine would change in transit (raises TypeError)."""
+
     def wait(self) -> None:
         """Waits for the collectives started so far (no-op for lazy backends)."""
 
@@ -144,7 +147,9 @@ def resolve(flat: Flat, group: Any = None) -> Backend:
                 "one call communicates the leaves of one device"
             )
     if first is None:
-        return current(group)
+        backend = current(group)
+        backend.validate(flat)
+        return backend
     device = flat.leaves[first].device
     if device.type == "xla":
         if group is not None:
@@ -153,7 +158,9 @@ def resolve(flat: Flat, group: Any = None) -> Backend:
             )
         from .xla import XlaBackend
 
-        return XlaBackend(device)
+        backend = XlaBackend(device)
+        backend.validate(flat)
+        return backend
     if _dist_running(group):
         from .dist import DistBackend
 

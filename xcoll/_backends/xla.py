@@ -22,6 +22,7 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 
@@ -31,6 +32,7 @@ import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
+from .. import _tree
 from . import Backend
 
 SYNC_LOCK = threading.Lock()
@@ -79,9 +81,34 @@ def sync(device: torch.device | None = None) -> None:
     _wait(device)
 
 
+# Settings under which the device keeps some dtypes in a narrower one: values of
+# those dtypes would change in transit, so such leaves are refused.
+_DOWNCASTS = {
+    "XLA_USE_BF16": ((torch.float32, torch.float64), "bfloat16"),
+    "XLA_DOWNCAST_BF16": ((torch.float32, torch.float64), "bfloat16"),
+    "XLA_USE_32BIT_LONG": ((torch.int64,), "int32"),
+}
+
+
 class XlaBackend(Backend):
     def __init__(self, device: torch.device | None):
         self.device = torch.device(device) if device is not None else torch_xla.device()
+
+    def validate(self, flat) -> None:
+        narrowed = {}
+        for var, (dtypes, to) in _DOWNCASTS.items():
+            if os.environ.get(var, "0") not in ("", "0", "false", "False"):
+                narrowed.update({d: (var, to) for d in dtypes})
+        if xm.xla_device_hw(self.device) == "TPU":
+            narrowed.setdefault(torch.float64, ("the TPU", "float32"))
+        for i, leaf in enumerate(flat.leaves):
+            dtype = leaf.dtype if isinstance(leaf, torch.Tensor) else _tree.scalar_dtype(leaf)
+            if dtype in narrowed:
+                why, to = narrowed[dtype]
+                raise TypeError(
+                    f"{flat.path(i)}: {dtype} is kept as {to} on this device ({why}), so its "
+                    f"values would change in transit; convert the leaf yourself (e.g. to {to})"
+                )
 
     def rank(self) -> int:
         return xr.global_ordinal()
