@@ -190,3 +190,29 @@ def test_dtypes_the_device_narrows_are_refused_on_every_replica():
             assert [f.type_name for f in failures] == ["builtins.TypeError"] * 2
             assert all("tree['x']" in f.message and "XLA_USE_BF16" in f.message for f in failures)
         assert pool.run(_downcast, ["none"] * 2) == [[1, 1, 1, 1]] * 2
+
+
+def _last_rank_skips(_):
+    if xcoll.rank() != xcoll.world_size() - 1:
+        xcoll.gather(torch.ones(2).to(device()))
+    return xcoll.rank()
+
+
+@pytest.mark.parametrize("engine", ["xla", "gloo"])
+def test_a_replica_that_skips_the_call_is_an_error_within_bounds(engine):
+    # XLA aborts after its 10 s rendezvous timeout (reported with its stderr);
+    # gloo raises in the waiting ranks after the group's timeout (5 s here).
+    import time
+
+    from xcoll.testing import GlooPool, PoolCrashed, ReplicaError, XlaPool
+
+    pool = XlaPool(4, grace=2) if engine == "xla" else GlooPool(4, grace=2, collective_timeout=5)
+    with pool:
+        pool.run(_ok, [None] * 4)  # each replica's first (checked) call is done
+        t0 = time.monotonic()
+        with pytest.raises(
+            (PoolCrashed, ReplicaError), match="Termination timeout|imed out|timeout"
+        ):
+            pool.run(_last_rank_skips, [None] * 4)
+        assert time.monotonic() - t0 < 60
+        assert pool.run(_ok, [None] * 4) == [list(range(4))] * 4
