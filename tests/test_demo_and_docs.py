@@ -102,3 +102,13 @@ def test_bench_check_runs_and_reports_the_extra_execution():
     assert set(rows) == {"XLA:CPU", "gloo"}
     assert all(float(c) > 0 for c in rows["XLA:CPU"][:2] + rows["gloo"][:2])
     assert float(rows["XLA:CPU"][3]) == 2  # the check's exchange, then the gather
+
+
+def test_readme_pool_example_runs_as_a_script(tmp_path):
+    text = README.read_text().split("## Testing your own distributed code")[1]
+    script = tmp_path / "pool_example.py"
+    script.write_text(text.split("```python\n", 1)[1].split("```", 1)[0])
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -9,8 +9,9 @@ draw thousands of examples in the test process and run each on real replicas::
         import torch, torch_xla, xcoll
         return xcoll.reduce(torch.tensor(x).to(torch_xla.device())).item()
 
-    with XlaPool(4) as pool:
-        assert pool.run(total, [1, 2, 3, 4]) == [10, 10, 10, 10]
+    if __name__ == "__main__":  # the pool's worker imports this module
+        with XlaPool(4) as pool:
+            assert pool.run(total, [1, 2, 3, 4]) == [10, 10, 10, 10]
 
 Functions and arguments travel to the pool's worker process by reference/pickle
 (they must be importable module-level functions and picklable values); results
