@@ -57,6 +57,7 @@ def _run(
     *,
     sync: bool,
     to_cpu: bool = False,
+    name: str,
 ) -> list[Any]:
     """Runs one collective per bucket and returns one output per leaf.
 
@@ -78,7 +79,12 @@ def _run(
                 )
             continue
         results.append((b, send(_pack.pack(b, flat.leaves, backend.upload), b)))
-    backend.wait()  # eager backends started every collective asynchronously
+    try:
+        backend.wait()  # eager backends started every collective asynchronously
+    except RuntimeError as e:  # e.g. gloo's timeout when a replica never arrives
+        raise RuntimeError(
+            f"{name}: a collective did not complete on rank {backend.rank()}: {e}"
+        ) from e
     results = [(b, receive(r, b)) for b, r in results]
 
     if to_cpu:
@@ -249,7 +255,18 @@ def _gather(tree, *, dim, stack, sync, to_cpu, uneven, max_size, group):
         shape = t.shape
         return t.reshape(*shape[:d], w * shape[d + 1], *shape[d + 2 :])
 
-    out = _run(backend, flat, buckets, (w,), send, receive, finish, sync=sync, to_cpu=to_cpu)
+    out = _run(
+        backend,
+        flat,
+        buckets,
+        (w,),
+        send,
+        receive,
+        finish,
+        sync=sync,
+        to_cpu=to_cpu,
+        name="xcoll.gather",
+    )
     return _outputs(flat, out, lambda block, like: [_tree.to_python(v, like) for v in block])
 
 
@@ -325,7 +342,7 @@ def _reduce(tree: Any, op: Any, sync: bool, group: Any) -> Any:
     def finish(i: int, t: torch.Tensor) -> torch.Tensor:
         return t / w if ops[i] == "mean" else t
 
-    out = _run(backend, flat, buckets, (), send, receive, finish, sync=sync)
+    out = _run(backend, flat, buckets, (), send, receive, finish, sync=sync, name="xcoll.reduce")
     return _outputs(flat, out, _tree.to_python)
 
 
@@ -372,7 +389,9 @@ def _broadcast(tree: Any, src: int, sync: bool, group: Any) -> Any:
     def receive(wire: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
         return _wire.decode_move(wire, b.dtype, backend.bitcast)
 
-    out = _run(backend, flat, buckets, (), send, receive, lambda i, t: t, sync=sync)
+    out = _run(
+        backend, flat, buckets, (), send, receive, lambda i, t: t, sync=sync, name="xcoll.broadcast"
+    )
     return _outputs(flat, out, _tree.to_python)
 
 
