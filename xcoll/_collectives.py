@@ -78,7 +78,7 @@ def _run(
                     s.leaf, torch.empty(lead + s.shape, dtype=b.dtype, device=device)
                 )
             continue
-        results.append((b, send(_pack.pack(b, flat.leaves, backend.upload), b)))
+        results.append((b, send(_pack.pack(b, flat.leaves, backend.upload, backend.concat), b)))
     try:
         backend.wait()  # eager backends started every collective asynchronously
     except RuntimeError as e:  # e.g. gloo's timeout when a replica never arrives

@@ -74,21 +74,28 @@ def plan(
     return list(buckets.values())
 
 
+def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` flattened and concatenated into one new 1-d tensor."""
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
 def pack(
     bucket: Bucket,
     leaves: Sequence[object],
     upload: Callable[[torch.Tensor], torch.Tensor],
+    concat: Callable[[Sequence[torch.Tensor]], torch.Tensor] = concat,
 ) -> torch.Tensor:
     """The bucket's leaves as one 1-d buffer of ``bucket.size`` elements.
 
     ``upload`` moves the CPU tensor of Python scalars to the leaves' device; it is
-    called at most once per bucket.
+    called at most once per bucket. ``concat`` flattens and joins the parts (a
+    backend may do it in one operation).
     """
-    parts = [leaves[s.leaf].reshape(-1) for s in bucket.tensors]
+    parts = [leaves[s.leaf] for s in bucket.tensors]
     if bucket.scalars:
         values = [leaves[s.leaf] for s in bucket.scalars]
         parts.append(upload(torch.tensor(values, dtype=bucket.dtype)))
-    return torch.cat(parts)
+    return concat(parts)
 
 
 def unpack(buf: torch.Tensor, bucket: Bucket) -> list[tuple[Slot, torch.Tensor]]:

@@ -40,6 +40,12 @@ class Backend(ABC):
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
         return cpu.to(self.device)
 
+    def concat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``parts`` flattened and joined into one new 1-d tensor."""
+        from .._pack import concat
+
+        return concat(parts)
+
     def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Reinterprets the bits of ``t`` as ``dtype`` (same element size)."""
         return t.view(dtype)
