@@ -91,7 +91,7 @@ def _run(
         backend.sync()
         host = backend.to_host([buf for _, buf in results])
         for (b, _), buf in zip(results, host):
-            for s, t in _pack.unpack(buf, b):
+            for s, t in _pack.unpack(buf, b.slots):
                 out[s.leaf] = finish(s.leaf, t)
         return out
 
@@ -99,7 +99,7 @@ def _run(
     # and the scalar blocks stay referenced, so they alone become graph outputs.
     scalar_blocks = []
     for b, buf in results:
-        for s, t in _pack.unpack(buf, b)[: len(b.tensors)]:
+        for s, t in _pack.unpack(buf, b.tensors):  # (scalars are read as one block)
             out[s.leaf] = finish(s.leaf, t)
         if b.scalars:
             scalar_blocks.append((b, buf[..., b.scalars[0].offset :]))

@@ -98,10 +98,8 @@ def pack(
     return concat(parts)
 
 
-def unpack(buf: torch.Tensor, bucket: Bucket) -> list[tuple[Slot, torch.Tensor]]:
-    """Slices ``buf`` of shape ``(*lead, bucket.size)`` into each slot's
+def unpack(buf: torch.Tensor, slots: Sequence[Slot]) -> list[tuple[Slot, torch.Tensor]]:
+    """Slices ``buf`` of shape ``(*lead, bucket.size)`` into each of ``slots``'
     ``(*lead, *slot.shape)`` tensor, a view wherever the layout allows."""
     lead = tuple(buf.shape[:-1])
-    return [
-        (s, buf[..., s.offset : s.offset + s.numel].reshape(lead + s.shape)) for s in bucket.slots
-    ]
+    return [(s, buf[..., s.offset : s.offset + s.numel].reshape(lead + s.shape)) for s in slots]

@@ -307,9 +307,7 @@ class GlooPool(_SpawnedPool):
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         for r, conn in enumerate(self._conns):
-            conn.send(
-                (fn, per_rank_args is not None, None if per_rank_args is None else per_rank_args[r])
-            )
+            conn.send(_task(fn, per_rank_args, r))
         results = _Results(self.world_size, self.grace)
         waiting = dict(enumerate(self._conns))
         while not results.done():
@@ -348,7 +346,18 @@ def _failure(rank: int, e: BaseException) -> RemoteFailure:
     return RemoteFailure(rank, f"{t.__module__}.{t.__qualname__}", str(e), traceback.format_exc())
 
 
-_NO_ARG = object()
+def _task(fn: Callable[..., Any], per_rank_args: Sequence[Any] | None, rank: int) -> tuple:
+    """What one replica runs: ``fn(per_rank_args[rank])``, or ``fn()``."""
+    return (fn, per_rank_args is not None, None if per_rank_args is None else per_rank_args[rank])
+
+
+def _call(rank: int, task: tuple) -> tuple[int, bool, Any]:
+    """Runs a task on this replica: ``(rank, True, result)`` or ``(rank, False, failure)``."""
+    fn, has_arg, arg = task
+    try:
+        return rank, True, fn(arg) if has_arg else fn()
+    except BaseException as e:  # noqa: BLE001 - reported to the caller
+        return rank, False, _failure(rank, e)
 
 
 class _Results:
@@ -399,11 +408,7 @@ def _replica(device: Any, inbox: queue.Queue, outbox: queue.Queue) -> None:
     runtime._init_world_size_ordinal()
     rank = xr.global_ordinal()
     while (task := inbox.get()) is not None:
-        fn, arg = task
-        try:
-            outbox.put((rank, True, fn() if arg is _NO_ARG else fn(arg)))
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
-            outbox.put((rank, False, _failure(rank, e)))
+        outbox.put(_call(rank, task))
 
 
 def _to_log(log: str) -> None:
@@ -431,7 +436,7 @@ def _xla_worker(conn, log: str, world_size: int, env: dict[str, str], grace: flo
     while (task := conn.recv()) is not None:
         fn, per_rank_args = task
         for r, inbox in enumerate(inboxes):
-            inbox.put((fn, _NO_ARG if per_rank_args is None else per_rank_args[r]))
+            inbox.put(_task(fn, per_rank_args, r))
         results = _Results(world_size, grace)
         while not results.done():
             try:
@@ -467,11 +472,7 @@ def _gloo_worker(conn, log: str, rank: int, world_size: int, port: int, timeout:
         timeout=datetime.timedelta(seconds=timeout),
     )
     while (task := conn.recv()) is not None:
-        fn, has_arg, arg = task
-        try:
-            result = (rank, True, fn(arg) if has_arg else fn())
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
-            result = (rank, False, _failure(rank, e))
+        result = _call(rank, task)
         try:
             conn.send(result)
         except Exception as e:  # an unpicklable result
