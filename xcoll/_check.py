@@ -106,24 +106,17 @@ def check(name: str, describe: Callable[[], list[str]], *, group: Any = None) ->
 
 
 def _compare(name: str, lines: list[str], error: Exception | None, group: Any) -> None:
-    from . import _backends
+    from . import _backends, _objects
 
     backend = _backends.current(group)
-    text = "\n".join(lines).encode("utf-8", "surrogatepass")
-    every = backend.exchange(_bytes(backend, hashlib.sha256(text).digest()))
+    digest = hashlib.sha256("\n".join(lines).encode("utf-8", "surrogatepass")).digest()
+    every = backend.exchange(backend.upload(torch.frombuffer(bytearray(digest), dtype=torch.uint8)))
     me = backend.rank()
     differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[me])]
     if not differ:
         return
-    # Every replica takes this branch: exchange the descriptions themselves.
-    sizes = backend.exchange(backend.upload(torch.tensor([len(text)], dtype=torch.int64)))[:, 0]
-    padded = text + bytes(int(sizes.max()) - len(text))
-    raw = backend.exchange(_bytes(backend, padded))
     other = differ[0]
-    mine = lines
-    theirs = (
-        bytes(raw[other, : int(sizes[other])].tolist()).decode("utf-8", "surrogatepass").split("\n")
-    )
+    mine, theirs = lines, _objects._gather_object(lines, group)[other]  # every replica is here
     at = next(
         (k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs))
     )
@@ -136,7 +129,3 @@ def _compare(name: str, lines: list[str], error: Exception | None, group: Any) -
     if error is None:
         raise CollectiveMismatchError(message)
     raise type(error)(f"{error} [{message}]") from error
-
-
-def _bytes(backend: Any, data: bytes) -> torch.Tensor:
-    return backend.upload(torch.frombuffer(bytearray(data), dtype=torch.uint8))

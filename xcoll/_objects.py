@@ -58,14 +58,16 @@ def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
 
 
 def _gather_object(obj: Any, group: Any) -> list[Any]:
+    # Exchanges run on their own: the caller's pending work (on XLA) stays out of
+    # them, so the consistency check can use this when replicas' calls differ.
     backend = _backends.current(group)
     data, error = _encode_or_error(obj)
-    sizes = _collectives.gather(-1 if error else len(data), group=group)
+    size = torch.tensor([-1 if error else len(data)], dtype=torch.int64)
+    sizes = backend.exchange(backend.upload(size))[:, 0].tolist()
     failed = [r for r, n in enumerate(sizes) if n < 0]
     if failed:
         _raise_for(failed, error, "gather_object")
-    buf = backend.upload(_padded(data, size_bucket(max(sizes))))
-    every = _collectives.gather(buf, stack=True, to_cpu=True, group=group)
+    every = backend.exchange(backend.upload(_padded(data, size_bucket(max(sizes)))))
     return [_codec.decode(every[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]
 
 
@@ -121,7 +123,7 @@ def _barrier(tag: str, group: Any) -> None:
     digest = torch.frombuffer(
         bytearray(hashlib.sha256(tag.encode("utf-8", "surrogatepass")).digest()), dtype=torch.uint8
     )
-    every = _collectives.gather(backend.upload(digest), stack=True, to_cpu=True, group=group)
+    every = backend.exchange(backend.upload(digest))
     if not bool((every == every[0]).all()):
         tags = _gather_object(tag, group)  # every replica takes this branch
         listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
