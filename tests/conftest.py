@@ -8,10 +8,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from tests.replicas import InlinePool
-from xcoll.testing import GlooPool, XlaPool
-
-_pools: dict[str, object] = {}
+from tests.replicas import close_pools, shared_pool
 
 # In CI the examples are derived from the test names, so a run is reproducible;
 # elsewhere Hypothesis explores new examples each run.
@@ -32,32 +29,15 @@ WORLDS = [
 ]
 
 
-def _make(name: str):
-    if name == "local-1":
-        return InlinePool()
-    if name == "xla-tpu":
-        if os.environ.get("PJRT_DEVICE") != "TPU":
-            pytest.skip("tpu: no TPU here (set PJRT_DEVICE=TPU on a TPU host to run)")
-        return XlaPool(int(os.environ.get("XCOLL_TPU_REPLICAS", "4")), device="TPU")
-    kind, w = name.rsplit("-", 1)
-    return (XlaPool if kind == "xla-cpu" else GlooPool)(int(w), timeout=240)
-
-
 @pytest.fixture(scope="session", params=WORLDS)
 def pool(request):
-    name = request.param
-    if name not in _pools:
-        _pools[name] = _make(name)
-    return _pools[name]
+    return shared_pool(request.param)
 
 
 @pytest.fixture(scope="session")
 def xla4():
-    if "xla-cpu-4" not in _pools:
-        _pools["xla-cpu-4"] = _make("xla-cpu-4")
-    return _pools["xla-cpu-4"]
+    return shared_pool("xla-cpu-4")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for p in _pools.values():
-        p.close()
+    close_pools()

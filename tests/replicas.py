@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import optree
+import pytest
 import torch
 
 from xcoll import _backends
-from xcoll.testing import ReplicaPool
+from xcoll.testing import GlooPool, ReplicaPool, XlaPool
 
 
 class InlinePool(ReplicaPool):
@@ -27,6 +30,34 @@ class InlinePool(ReplicaPool):
 
     def close(self):
         pass
+
+
+_pools: dict[str, ReplicaPool] = {}
+
+
+def shared_pool(name: str) -> ReplicaPool:
+    """The session's pool of that name ("local-1", "xla-cpu-W", "gloo-W",
+    "xla-tpu"), started on first use and reused by every test."""
+    if name not in _pools:
+        _pools[name] = _make(name)
+    return _pools[name]
+
+
+def close_pools() -> None:
+    for p in _pools.values():
+        p.close()
+    _pools.clear()
+
+
+def _make(name: str) -> ReplicaPool:
+    if name == "local-1":
+        return InlinePool()
+    if name == "xla-tpu":
+        if os.environ.get("PJRT_DEVICE") != "TPU":
+            pytest.skip("tpu: no TPU here (set PJRT_DEVICE=TPU on a TPU host to run)")
+        return XlaPool(int(os.environ.get("XCOLL_TPU_REPLICAS", "4")), device="TPU")
+    kind, w = name.rsplit("-", 1)
+    return (XlaPool if kind == "xla-cpu" else GlooPool)(int(w), timeout=240)
 
 
 def device() -> torch.device:

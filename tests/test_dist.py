@@ -14,25 +14,16 @@ from hypothesis import given
 
 import xcoll
 from tests import strategies as S
-from tests.replicas import device, to_cpu, to_device
+from tests.replicas import device, shared_pool, to_cpu, to_device
 from tests.test_properties import PROPERTY, assert_trees, same_bits, same_values
 from xcoll.testing import GlooPool
 
 _pools: dict[int, GlooPool] = {}
 
 
-def _shared(name: str):
-    """The session's pool of that name (see conftest), started on first use."""
-    from tests.conftest import _make, _pools
-
-    if name not in _pools:
-        _pools[name] = _make(name)
-    return _pools[name]
-
-
 @pytest.fixture(scope="module", params=["gloo-2", "gloo-4"])
 def gloo(request):
-    return _shared(request.param)
+    return shared_pool(request.param)
 
 
 # ---- accelerate ----------------------------------------------------------------
@@ -159,7 +150,7 @@ def _in_subgroup(_):
 
 
 def test_sub_group():
-    out = _shared("gloo-4").run(_in_subgroup, [None] * 4)
+    out = shared_pool("gloo-4").run(_in_subgroup, [None] * 4)
     assert out[1] is None and out[3] is None
     for r, o in ((0, out[0]), (2, out[2])):
         assert (o["rank"], o["world"]) == (r // 2, 2)
@@ -198,8 +189,8 @@ def test_same_results_on_xla_and_gloo(data):
     trees = data.draw(S.rank_trees(skeleton, 2, exact=True), "trees")
     args = [(t, op) for t in trees]
     on_xla, on_gloo = (
-        _shared("xla-cpu-2").run(_all_ops, args),
-        _shared("gloo-2").run(_all_ops, args),
+        shared_pool("xla-cpu-2").run(_all_ops, args),
+        shared_pool("gloo-2").run(_all_ops, args),
     )
     for a, b in zip(on_xla, on_gloo):
         assert_trees(a["gather"], b["gather"], same_bits, "gather")

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import device, to_cpu
-from tests.test_dist import _shared
+from tests.replicas import device, shared_pool, to_cpu
 from tests.test_properties import assert_trees, same_values
 
 DOC = Path(__file__).parent.parent / "docs" / "migration.md"
@@ -72,7 +71,7 @@ def test_every_section_has_an_after_and_says_what_happens_to_its_before():
 @pytest.mark.parametrize("title", list(SECTIONS))
 @pytest.mark.parametrize("world", ["xla-cpu-2", "gloo-2"])
 def test_after_runs_and_agrees_on_every_replica(title, world):
-    pool = _shared(world)
+    pool = shared_pool(world)
     results = pool.run(_snippet, [SECTIONS[title]["after"][1]] * pool.world_size)
     for r in results[1:]:
         assert optree.tree_structure(r) == optree.tree_structure(results[0])
@@ -82,7 +81,9 @@ def test_after_runs_and_agrees_on_every_replica(title, world):
 @pytest.mark.parametrize("title", list(SECTIONS))
 def test_before_runs_and_gives_what_after_gives(title):
     marker, before = SECTIONS[title]["before"]
-    pool = _shared({"before: xla": "xla-cpu-2", "before: xla-1": "xla-cpu-1"}.get(marker, "gloo-2"))
+    pool = shared_pool(
+        {"before: xla": "xla-cpu-2", "before: xla-1": "xla-cpu-1"}.get(marker, "gloo-2")
+    )
     theirs = pool.run(_snippet, [before] * pool.world_size)
     ours = pool.run(_snippet, [SECTIONS[title]["after"][1]] * pool.world_size)
     if "not compared" in marker:

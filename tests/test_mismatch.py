@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import device
-from tests.test_dist import _shared
+from tests.replicas import device, shared_pool
 
 MISMATCH = "xcoll._check.CollectiveMismatchError"
 
@@ -75,7 +74,7 @@ WORLDS = ["xla-cpu-2", "xla-cpu-4", "gloo-2", "gloo-4"]
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_every_replica_raises_and_the_pool_goes_on(world, name):
-    pool = _shared(world)
+    pool = shared_pool(world)
     w = pool.world_size
     failures = pool.run(_call, [name] * w, return_exceptions=True)
     odd, others, text = EXPECTED[name]
@@ -96,7 +95,7 @@ def _uneven_empty(_):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_an_empty_shard_is_valid_for_uneven_gathers(world):
-    pool = _shared(world)
+    pool = shared_pool(world)
     assert (
         pool.run(_uneven_empty, [None] * pool.world_size)
         == [2 * (pool.world_size - 1)] * pool.world_size
@@ -128,7 +127,7 @@ def _layouts(_):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_expanded_channels_last_and_transposed_inputs(world):
-    pool = _shared(world)
+    pool = shared_pool(world)
     w = pool.world_size
     base = [torch.arange(120, dtype=torch.float32).reshape(2, 3, 4, 5) + 100 * r for r in range(w)]
     want = {
@@ -158,7 +157,7 @@ def _wrap(_):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_integer_sums_wrap_as_the_dtype_does(world):
-    pool = _shared(world)
+    pool = shared_pool(world)
     w = pool.world_size
     for out, _ in pool.run(_wrap, [None] * w):
         expected = {
