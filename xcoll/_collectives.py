@@ -53,7 +53,8 @@ def _run(
     lead: tuple[int, ...],
     send: Callable[[torch.Tensor, _pack.Bucket], torch.Tensor],
     receive: Callable[[torch.Tensor, _pack.Bucket], torch.Tensor],
-    finish: Callable[[int, torch.Tensor], torch.Tensor],
+    shape: Callable[[int], tuple[int, ...]],
+    finish: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     *,
     sync: bool,
     to_cpu: bool = False,
@@ -64,19 +65,19 @@ def _run(
     ``send`` starts a bucket's collective on its packed ``(size,)`` buffer and
     returns the backend's result tensor; after every collective of the call has
     been started and ``backend.wait()`` has returned, ``receive`` turns it into the
-    bucket's ``(*lead, size)`` result, and ``finish(i, t)`` turns leaf ``i``'s
-    ``(*lead, *shape)`` slice into its output. Python scalar leaves come back as
-    CPU tensors of shape ``lead``.
+    bucket's ``(*lead, size)`` result. Tensor leaf ``i``'s ``(*lead, *leaf.shape)``
+    block of it comes out reshaped to ``shape(i)``, then passed through
+    ``finish(i, t)`` if given. Python scalar leaves come back as CPU tensors of
+    shape ``lead``, through ``finish`` too.
     """
+    finish = finish or (lambda i, t: t)
     out: list[Any] = [None] * len(flat.leaves)
     results = []
     for b in buckets:
         if b.size == 0:  # only empty tensors: nothing to send
             for s in b.tensors:
                 device = "cpu" if to_cpu else flat.leaves[s.leaf].device
-                out[s.leaf] = finish(
-                    s.leaf, torch.empty(lead + s.shape, dtype=b.dtype, device=device)
-                )
+                out[s.leaf] = finish(s.leaf, torch.empty(shape(s.leaf), dtype=b.dtype, device=device))
             continue
         results.append((b, send(_pack.pack(b, flat.leaves, backend.upload, backend.concat), b)))
     try:
@@ -85,33 +86,47 @@ def _run(
         raise RuntimeError(
             f"{name}: a collective did not complete on rank {backend.rank()}: {e}"
         ) from e
-    results = [(b, receive(r, b)) for b, r in results]
 
+    pieces = [_slot_major(backend, b, receive(r, b), lead, shape) for b, r in results]
+    del results
     if to_cpu:
         backend.sync()
-        host = backend.to_host([buf for _, buf in results])
-        for (b, _), buf in zip(results, host):
-            for s, t in _pack.unpack(buf, b.slots):
-                out[s.leaf] = finish(s.leaf, t)
-        return out
-
-    # Outputs are traced before the sync so that it materialises them; only they
-    # and the scalar blocks stay referenced, so they alone become graph outputs.
-    scalar_blocks = []
-    for b, buf in results:
-        for s, t in _pack.unpack(buf, b.tensors):  # (scalars are read as one block)
-            out[s.leaf] = finish(s.leaf, t)
-        if b.scalars:
-            scalar_blocks.append((b, buf[..., b.scalars[0].offset :]))
-    del results
-    if sync:
-        backend.sync()
-    if scalar_blocks:
-        host = backend.to_host([block for _, block in scalar_blocks])
-        for (b, _), block in zip(scalar_blocks, host):
-            for j, s in enumerate(b.scalars):
-                out[s.leaf] = finish(s.leaf, block[..., j])
+        host = backend.to_host([r for _, r, _ in pieces])
+        scalar_blocks = [
+            _split(_pack.split, b, r, shapes, out, finish) for (b, _, shapes), r in zip(pieces, host)
+        ]
+    else:
+        # Outputs are traced before the sync so that it materialises them; only
+        # they and the scalar blocks stay referenced, so they alone become graph
+        # outputs.
+        blocks = [_split(backend.split, b, r, shapes, out, finish) for b, r, shapes in pieces]
+        blocks = [(b, block) for b, block in blocks if b.scalars]
+        del pieces
+        if sync:
+            backend.sync()
+        host = backend.to_host([block for _, block in blocks]) if blocks else []
+        scalar_blocks = [(b, block) for (b, _), block in zip(blocks, host)]
+    for b, block in scalar_blocks:
+        for j, s in enumerate(b.scalars):
+            out[s.leaf] = finish(s.leaf, block[..., j])
     return out
+
+
+def _slot_major(backend, b: _pack.Bucket, r: torch.Tensor, lead, shape):
+    """The bucket's ``(*lead, size)`` result as one 1-d buffer in which every
+    slot's ``(*lead, *shape)`` block is contiguous, and the shapes to split it
+    into: each tensor leaf's ``shape(i)``, then the Python scalars' ``(*lead, k)``."""
+    if lead:
+        r = backend.slot_major(r, [s.numel for s in b.tensors] + [len(b.scalars)])
+    return b, r, [shape(s.leaf) for s in b.tensors] + [lead + (len(b.scalars),)]
+
+
+def _split(split, b: _pack.Bucket, r, shapes, out: list, finish):
+    """Fills ``out`` with the bucket's tensor leaves; returns its scalar block."""
+    *tensors, scalars = split(r, shapes)
+    for s, t in zip(b.tensors, tensors):
+        out[s.leaf] = finish(s.leaf, t)
+    return b, scalars
 
 
 def _outputs(flat: _tree.Flat, out: list[Any], scalar: Callable[[torch.Tensor, Any], Any]) -> Any:
@@ -244,16 +259,21 @@ def _gather(tree, *, dim, stack, sync, to_cpu, uneven, max_size, group):
     def receive(gathered: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
         return _wire.decode_move(gathered, b.dtype, backend.bitcast).view(w, b.size)
 
-    def finish(i: int, t: torch.Tensor) -> torch.Tensor:  # t: (W, *shape)
-        if i not in dims or flat.leaves[i].dim() == 0:
+    def shape(i: int) -> tuple[int, ...]:
+        leaf_shape = tuple(flat.leaves[i].shape)
+        if dims[i] == 0 and not stack and leaf_shape:  # concatenated along dim 0
+            return (w * leaf_shape[0], *leaf_shape[1:])
+        return (w, *leaf_shape)
+
+    def finish(i: int, t: torch.Tensor) -> torch.Tensor:  # t: shape(i)
+        d = dims.get(i, 0)
+        if not d:
             return t
-        d = dims[i]
-        if d:  # (W, *shape) -> (*shape[:d], W, *shape[d:])
-            t = t.movedim(0, d)
+        t = t.movedim(0, d)  # (W, *shape) -> (*shape[:d], W, *shape[d:])
         if stack:
             return t
-        shape = t.shape
-        return t.reshape(*shape[:d], w * shape[d + 1], *shape[d + 2 :])
+        pre = t.shape
+        return t.reshape(*pre[:d], w * pre[d + 1], *pre[d + 2 :])
 
     out = _run(
         backend,
@@ -262,6 +282,7 @@ def _gather(tree, *, dim, stack, sync, to_cpu, uneven, max_size, group):
         (w,),
         send,
         receive,
+        shape,
         finish,
         sync=sync,
         to_cpu=to_cpu,
@@ -342,7 +363,18 @@ def _reduce(tree: Any, op: Any, sync: bool, group: Any) -> Any:
     def finish(i: int, t: torch.Tensor) -> torch.Tensor:
         return t / w if ops[i] == "mean" else t
 
-    out = _run(backend, flat, buckets, (), send, receive, finish, sync=sync, name="xcoll.reduce")
+    out = _run(
+        backend,
+        flat,
+        buckets,
+        (),
+        send,
+        receive,
+        lambda i: tuple(flat.leaves[i].shape),
+        finish,
+        sync=sync,
+        name="xcoll.reduce",
+    )
     return _outputs(flat, out, _tree.to_python)
 
 
@@ -390,7 +422,15 @@ def _broadcast(tree: Any, src: int, sync: bool, group: Any) -> Any:
         return _wire.decode_move(wire, b.dtype, backend.bitcast)
 
     out = _run(
-        backend, flat, buckets, (), send, receive, lambda i, t: t, sync=sync, name="xcoll.broadcast"
+        backend,
+        flat,
+        buckets,
+        (),
+        send,
+        receive,
+        lambda i: tuple(flat.leaves[i].shape),
+        sync=sync,
+        name="xcoll.broadcast",
     )
     return _outputs(flat, out, _tree.to_python)
 

@@ -1,7 +1,7 @@
 """Buckets and packed buffers: the leaves of one bucket travel as one flat buffer.
 
 This module knows nothing about devices or backends. It uses only torch ops that
-every device lowers (reshape, cat, slicing), so the same plan serves XLA,
+every device lowers (reshape, transpose, cat, slicing), so the same plan serves XLA,
 torch.distributed and a single process.
 """
 
@@ -23,10 +23,7 @@ class Slot:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return numel(self.shape)
 
 
 @dataclass
@@ -55,23 +52,70 @@ def plan(
 ) -> list[Bucket]:
     """Groups leaf ``i`` into the bucket ``keys[i]``, in order of first appearance.
 
-    Tensor leaves keep their shape; Python scalars get shape ``()`` and are laid out
+    Tensor leaves keep their shape and are laid out by size (stably), so that
+    leaves of equal size sit together and a gathered bucket regroups in a few
+    blocks (:func:`slot_major`); Python scalars get shape ``()`` and are laid out
     after the tensors of their bucket.
     """
     buckets: dict[Hashable, Bucket] = {}
+    tensors: dict[Hashable, list[tuple[int, tuple[int, ...], int]]] = {}
     scalar_leaves: list[int] = []
     for i, leaf in enumerate(leaves):
-        bucket = buckets.get(keys[i])
-        if bucket is None:
-            bucket = buckets[keys[i]] = Bucket(keys[i], dtypes[i])
+        if keys[i] not in buckets:
+            buckets[keys[i]] = Bucket(keys[i], dtypes[i])
+            tensors[keys[i]] = []
         if isinstance(leaf, torch.Tensor):
-            bucket._add(bucket.tensors, i, tuple(leaf.shape))
+            tensors[keys[i]].append((i, tuple(leaf.shape), leaf.numel()))
         else:
             scalar_leaves.append(i)
+    for key, bucket in buckets.items():
+        for i, shape, _ in sorted(tensors[key], key=lambda t: t[2]):
+            bucket._add(bucket.tensors, i, shape)
     for i in scalar_leaves:
         bucket = buckets[keys[i]]
         bucket._add(bucket.scalars, i, ())
     return list(buckets.values())
+
+
+def runs(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal ``sizes``: ``(offset, count, size)`` each."""
+    out: list[tuple[int, int, int]] = []
+    offset = 0
+    for n in sizes:
+        if out and out[-1][2] == n:
+            start, count, _ = out[-1]
+            out[-1] = (start, count + 1, n)
+        else:
+            out.append((offset, 1, n))
+        offset += n
+    return out
+
+
+def slot_major(buf: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """``buf`` of shape ``(w, sum(sizes))`` (one row per replica, slots of
+    ``sizes`` side by side) as a 1-d tensor in which each slot's ``(w, size)``
+    block is contiguous, in slot order: a gathered leaf is then one reshape
+    away. One transpose per run of equal sizes."""
+    w = buf.shape[0]
+    if w == 1:
+        return buf.reshape(-1)
+    blocks = [
+        buf[:, a : a + k * n].reshape(w, k, n).transpose(0, 1).reshape(-1) for a, k, n in runs(sizes)
+    ]
+    return torch.cat(blocks)
+
+
+def split(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Consecutive pieces of the 1-d ``flat`` as views of ``shapes``."""
+    numels = [numel(s) for s in shapes]
+    return [t.view(s) for t, s in zip(flat.split(numels), shapes)]
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -96,10 +140,3 @@ def pack(
         values = [leaves[s.leaf] for s in bucket.scalars]
         parts.append(upload(torch.tensor(values, dtype=bucket.dtype)))
     return concat(parts)
-
-
-def unpack(buf: torch.Tensor, slots: Sequence[Slot]) -> list[tuple[Slot, torch.Tensor]]:
-    """Slices ``buf`` of shape ``(*lead, bucket.size)`` into each of ``slots``'
-    ``(*lead, *slot.shape)`` tensor, a view wherever the layout allows."""
-    lead = tuple(buf.shape[:-1])
-    return [(s, buf[..., s.offset : s.offset + s.numel].reshape(lead + s.shape)) for s in slots]

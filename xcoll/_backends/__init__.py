@@ -46,6 +46,19 @@ class Backend(ABC):
 
         return concat(parts)
 
+    def slot_major(self, buf: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """``(W, sum(sizes))`` -> 1-d, each slot's ``(W, size)`` block contiguous
+        (see :func:`xcoll._pack.slot_major`)."""
+        from .._pack import slot_major
+
+        return slot_major(buf, sizes)
+
+    def split(self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Consecutive pieces of the 1-d ``flat``, of ``shapes``."""
+        from .._pack import split
+
+        return split(flat, shapes)
+
     def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Reinterprets the bits of ``t`` as ``dtype`` (same element size)."""
         return t.view(dtype)

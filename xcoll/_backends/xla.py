@@ -32,7 +32,7 @@ import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from .. import _tree
+from .. import _pack, _tree
 from . import Backend
 
 SYNC_LOCK = threading.Lock()
@@ -152,6 +152,50 @@ class XlaBackend(Backend):
         return torch_xla._XLAC._xla_user_computation("xla::xcoll_concat", list(parts), computation)[
             0
         ]
+
+    def slot_major(self, buf: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        # One node, like concat: a slice and a transpose per run of equal sizes.
+        w, total = buf.shape
+        if w == 1:
+            return buf.reshape(-1)
+        blocks = _pack.runs(sizes)
+
+        def regroup(p):
+            return xb.Op.concat_in_dim(
+                [
+                    p.slice_in_dim(a, a + k * n, 1)
+                    .reshape([w, k, n])
+                    .transpose([1, 0, 2])
+                    .reshape([w * k * n])
+                    for a, k, n in blocks
+                ],
+                0,
+            )
+
+        computation = _computation(
+            ("slot_major", buf.dtype, w, tuple(sizes)),
+            lambda: xb.create_computation("xcoll_slot_major", regroup, [xb.tensor_shape(buf)]),
+        )
+        return torch_xla._XLAC._xla_user_computation("xla::xcoll_slot_major", [buf], computation)[
+            0
+        ]
+
+    def split(self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+        # One node with an output per piece, instead of a slice and a reshape
+        # traced per leaf.
+        def cut(p):
+            pieces, offset = [], 0
+            for shape in shapes:
+                n = _pack.numel(shape)
+                pieces.append(p.slice_in_dim(offset, offset + n, 0).reshape(list(shape)))
+                offset += n
+            return xb.Op.tuple(pieces)
+
+        computation = _computation(
+            ("split", flat.dtype, flat.shape[0], tuple(shapes)),
+            lambda: xb.create_computation("xcoll_split", cut, [xb.tensor_shape(flat)]),
+        )
+        return list(torch_xla._XLAC._xla_user_computation("xla::xcoll_split", [flat], computation))
 
     def _fresh_token(self) -> None:
         # Isolates each collective from NaN in the results of earlier ones
