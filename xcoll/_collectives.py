@@ -8,7 +8,8 @@ pipeline in :func:`_run` is shared.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,51 @@ _REFUSED = {
     "mean": "mean needs a floating dtype (convert first, e.g. x.float())",
     "sum": 'sum of bools is ambiguous: use "max" for any, "min" for all, or sum x.int() to count',
 }
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one kind of call moves one kind of tree (built once per
+    :attr:`_tree.Flat.key` and parameters, then reused)."""
+
+    buckets: list[_pack.Bucket]
+    #: Per bucket: each tensor slot's output shape (before ``finish``), then, if
+    #: it has Python scalars, the shape of their block, ``(*lead, k)``.
+    shapes: list[tuple[tuple[int, ...], ...]]
+    #: The leaves that go through the call's ``finish``.
+    finishing: frozenset[int] = frozenset()
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 1024
+
+
+def _plan(key: tuple, build: Callable[[], _Plan]) -> _Plan:
+    """The plan for ``key``, built on first use. Building validates the call, so a
+    call that raises leaves nothing behind."""
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = build()
+    return plan
+
+
+def _layout(
+    flat: _tree.Flat,
+    keys: list[Hashable],
+    dtypes: list[torch.dtype],
+    lead: tuple[int, ...],
+    shape: Callable[[int], tuple[int, ...]],
+    finishing: frozenset[int] = frozenset(),
+) -> _Plan:
+    buckets = _pack.plan(flat.leaves, keys, dtypes)
+    shapes = [
+        tuple(shape(s.leaf) for s in b.tensors)
+        + ((lead + (len(b.scalars),),) if b.scalars else ())
+        for b in buckets
+    ]
+    return _Plan(buckets, shapes, finishing)
 
 
 def _dtype(leaf: Any) -> torch.dtype:
@@ -49,11 +95,10 @@ def _check_sync(flat: _tree.Flat, sync: bool, to_cpu: bool = False) -> None:
 def _run(
     backend: _backends.Backend,
     flat: _tree.Flat,
-    buckets: list[_pack.Bucket],
-    lead: tuple[int, ...],
+    plan: _Plan,
+    pack: Callable[[list[_pack.Bucket], list[list[torch.Tensor]]], list[torch.Tensor]],
     send: Callable[[torch.Tensor, _pack.Bucket], torch.Tensor],
-    receive: Callable[[torch.Tensor, _pack.Bucket], torch.Tensor],
-    shape: Callable[[int], tuple[int, ...]],
+    unpack: Callable[[list[torch.Tensor], list[_pack.Bucket]], list[torch.Tensor]],
     finish: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     *,
     sync: bool,
@@ -62,81 +107,98 @@ def _run(
 ) -> list[Any]:
     """Runs one collective per bucket and returns one output per leaf.
 
-    ``send`` starts a bucket's collective on its packed ``(size,)`` buffer and
-    returns the backend's result tensor; after every collective of the call has
-    been started and ``backend.wait()`` has returned, ``receive`` turns it into the
-    bucket's ``(*lead, size)`` result. Tensor leaf ``i``'s ``(*lead, *leaf.shape)``
-    block of it comes out reshaped to ``shape(i)``, then passed through
-    ``finish(i, t)`` if given. Python scalar leaves come back as CPU tensors of
-    shape ``lead``, through ``finish`` too.
+    ``pack(buckets, parts)`` turns each bucket's :func:`_pack.parts` into the 1-d
+    buffer ``send`` starts its collective on. Once every collective of the call
+    has been started and ``backend.wait()`` has returned, ``unpack(results,
+    buckets)`` turns the results into one 1-d buffer per bucket in which each
+    slot's block is contiguous, in slot order (the Python scalars' block last),
+    and that buffer is cut into ``plan.shapes``. Python scalar leaves come back
+    as CPU tensors of the scalar block's shape without its last dim. Leaves in
+    ``plan.finishing`` then go through ``finish(i, t)``.
     """
-    finish = finish or (lambda i, t: t)
+    if plan.finishing:
+        finishing, finish_leaf = plan.finishing, finish
+        finish = lambda i, t: finish_leaf(i, t) if i in finishing else t  # noqa: E731
+    else:
+        finish = None
     out: list[Any] = [None] * len(flat.leaves)
-    results = []
-    for b in buckets:
-        if b.size == 0:  # only empty tensors: nothing to send
-            for s in b.tensors:
-                device = "cpu" if to_cpu else flat.leaves[s.leaf].device
-                out[s.leaf] = finish(s.leaf, torch.empty(shape(s.leaf), dtype=b.dtype, device=device))
+    live, shapes = [], []
+    for b, bucket_shapes in zip(plan.buckets, plan.shapes):
+        if b.size:
+            live.append(b)
+            shapes.append(bucket_shapes)
             continue
-        results.append((b, send(_pack.pack(b, flat.leaves, backend.upload, backend.concat), b)))
+        for s, shape in zip(b.tensors, bucket_shapes):  # only empty tensors: nothing to send
+            device = "cpu" if to_cpu else flat.leaves[s.leaf].device
+            t = torch.empty(shape, dtype=b.dtype, device=device)
+            out[s.leaf] = finish(s.leaf, t) if finish else t
+    if not live:
+        return out
+    wires = pack(live, [_pack.parts(b, flat.leaves, backend.upload) for b in live])
+    results = [send(wire, b) for wire, b in zip(wires, live)]
+    del wires
     try:
         backend.wait()  # eager backends started every collective asynchronously
     except RuntimeError as e:  # e.g. gloo's timeout when a replica never arrives
         raise RuntimeError(
             f"{name}: a collective did not complete on rank {backend.rank()}: {e}"
         ) from e
-
-    pieces = [_slot_major(backend, b, receive(r, b), lead, shape) for b, r in results]
+    flats = unpack(results, live)
     del results
     if to_cpu:
         backend.sync()
-        host = backend.to_host([r for _, r, _ in pieces])
-        scalar_blocks = [
-            _split(_pack.split, b, r, shapes, out, finish) for (b, _, shapes), r in zip(pieces, host)
-        ]
+        pieces = [_pack.split(h, s) for h, s in zip(backend.to_host(flats), shapes)]
+        del flats
     else:
         # Outputs are traced before the sync so that it materialises them; only
         # they and the scalar blocks stay referenced, so they alone become graph
         # outputs.
-        blocks = [_split(backend.split, b, r, shapes, out, finish) for b, r, shapes in pieces]
-        blocks = [(b, block) for b, block in blocks if b.scalars]
-        del pieces
+        pieces = backend.split(flats, shapes)
+        del flats
+    blocks = []
+    for b, bucket_pieces in zip(live, pieces):
+        tensors = bucket_pieces[: len(b.tensors)]
+        if finish:
+            tensors = [finish(s.leaf, t) for s, t in zip(b.tensors, tensors)]
+        for s, t in zip(b.tensors, tensors):
+            out[s.leaf] = t
+        if b.scalars:
+            blocks.append((b, bucket_pieces[-1]))
+    del pieces, bucket_pieces
+    if not to_cpu:
         if sync:
             backend.sync()
-        host = backend.to_host([block for _, block in blocks]) if blocks else []
-        scalar_blocks = [(b, block) for (b, _), block in zip(blocks, host)]
-    for b, block in scalar_blocks:
+        if blocks:
+            blocks = list(zip([b for b, _ in blocks], backend.to_host([t for _, t in blocks])))
+    for b, block in blocks:
         for j, s in enumerate(b.scalars):
-            out[s.leaf] = finish(s.leaf, block[..., j])
+            t = block[..., j]
+            out[s.leaf] = finish(s.leaf, t) if finish else t
     return out
-
-
-def _slot_major(backend, b: _pack.Bucket, r: torch.Tensor, lead, shape):
-    """The bucket's ``(*lead, size)`` result as one 1-d buffer in which every
-    slot's ``(*lead, *shape)`` block is contiguous, and the shapes to split it
-    into: each tensor leaf's ``shape(i)``, then the Python scalars' ``(*lead, k)``."""
-    if lead:
-        r = backend.slot_major(r, [s.numel for s in b.tensors] + [len(b.scalars)])
-    return b, r, [shape(s.leaf) for s in b.tensors] + [lead + (len(b.scalars),)]
-
-
-def _split(split, b: _pack.Bucket, r, shapes, out: list, finish):
-    """Fills ``out`` with the bucket's tensor leaves; returns its scalar block."""
-    *tensors, scalars = split(r, shapes)
-    for s, t in zip(b.tensors, tensors):
-        out[s.leaf] = finish(s.leaf, t)
-    return b, scalars
 
 
 def _outputs(flat: _tree.Flat, out: list[Any], scalar: Callable[[torch.Tensor, Any], Any]) -> Any:
     """The output tree: tensors as they are, Python scalars back to Python values."""
-    return flat.unflatten(
-        [
-            o if isinstance(leaf, torch.Tensor) else scalar(o, leaf)
-            for leaf, o in zip(flat.leaves, out)
-        ]
-    )
+    for i in flat.scalars:
+        out[i] = scalar(out[i], flat.leaves[i])
+    return flat.unflatten(out)
+
+
+def _gather_plan(flat: _tree.Flat, dim: int, stack: bool, w: int) -> _Plan:
+    dims = {
+        i: _gather_dim(flat, i, dim, stack)
+        for i, leaf in enumerate(flat.leaves)
+        if isinstance(leaf, torch.Tensor)
+    }
+
+    def shape(i: int) -> tuple[int, ...]:
+        leaf_shape = tuple(flat.leaves[i].shape)
+        if dims[i] == 0 and not stack and leaf_shape:  # concatenated along dim 0
+            return (w * leaf_shape[0], *leaf_shape[1:])
+        return (w, *leaf_shape)  # stacked, or moved into place by finish
+
+    dtypes = [_dtype(leaf) for leaf in flat.leaves]
+    return _layout(flat, dtypes, dtypes, (w,), shape, frozenset(i for i, d in dims.items() if d))
 
 
 def _gather_dim(flat: _tree.Flat, i: int, dim: int, stack: bool) -> int:
@@ -243,33 +305,14 @@ def _gather(tree, *, dim, stack, sync, to_cpu, uneven, max_size, group):
         return _uneven.gather(tree, dim=dim, max_size=max_size, to_cpu=to_cpu, group=group)
     flat = _tree.flatten(tree)
     _check_sync(flat, sync, to_cpu)
-    dims = {
-        i: _gather_dim(flat, i, dim, stack)
-        for i, leaf in enumerate(flat.leaves)
-        if isinstance(leaf, torch.Tensor)
-    }
     backend = _backends.resolve(flat, group)
     w = backend.world_size()
-    dtypes = [_dtype(leaf) for leaf in flat.leaves]
-    buckets = _pack.plan(flat.leaves, dtypes, dtypes)
+    plan = _plan(("gather", dim, stack, w, flat.key), lambda: _gather_plan(flat, dim, stack, w))
+    dims = {i: _gather_dim(flat, i, dim, stack) for i in plan.finishing}
 
-    def send(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
-        return backend.all_gather(_wire.encode_move(buf, backend.bitcast))
-
-    def receive(gathered: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
-        return _wire.decode_move(gathered, b.dtype, backend.bitcast).view(w, b.size)
-
-    def shape(i: int) -> tuple[int, ...]:
-        leaf_shape = tuple(flat.leaves[i].shape)
-        if dims[i] == 0 and not stack and leaf_shape:  # concatenated along dim 0
-            return (w * leaf_shape[0], *leaf_shape[1:])
-        return (w, *leaf_shape)
-
-    def finish(i: int, t: torch.Tensor) -> torch.Tensor:  # t: shape(i)
-        d = dims.get(i, 0)
-        if not d:
-            return t
-        t = t.movedim(0, d)  # (W, *shape) -> (*shape[:d], W, *shape[d:])
+    def finish(i: int, t: torch.Tensor) -> torch.Tensor:  # (W, *shape) -> (*shape[:d], W, *shape[d:])
+        d = dims[i]
+        t = t.movedim(0, d)
         if stack:
             return t
         pre = t.shape
@@ -278,11 +321,10 @@ def _gather(tree, *, dim, stack, sync, to_cpu, uneven, max_size, group):
     out = _run(
         backend,
         flat,
-        buckets,
-        (w,),
-        send,
-        receive,
-        shape,
+        plan,
+        _pack_moves(backend),
+        lambda wire, b: backend.all_gather(wire),
+        _unpack_moves(backend, w),
         finish,
         sync=sync,
         to_cpu=to_cpu,
@@ -308,7 +350,10 @@ def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) 
     """
 
     def describe() -> list[str]:
-        flat, ops, _, _ = _reduce_plan(tree, op, sync, group)
+        flat = _tree.flatten(tree)
+        _check_sync(flat, sync)
+        ops, _ = _reduce_ops(flat, op)
+        _backends.resolve(flat, group)
         lines = _check.describe_tree(flat)
         return [
             f"sync={sync}",
@@ -322,10 +367,8 @@ def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) 
         return _reduce(tree, op, sync, group)
 
 
-def _reduce_plan(tree: Any, op: Any, sync: bool, group: Any):
-    """Validates a reduce: (flat, op per leaf, bucket key per leaf, backend)."""
-    flat = _tree.flatten(tree)
-    _check_sync(flat, sync)
+def _reduce_ops(flat: _tree.Flat, op: Any) -> tuple[list[str], list[tuple[torch.dtype, str]]]:
+    """Validates ``op`` for ``flat``: (op per leaf, bucket key per leaf)."""
     ops = _tree.broadcast_prefix(op, flat, "op")
     keys = []
     for i, leaf in enumerate(flat.leaves):
@@ -346,36 +389,63 @@ def _reduce_plan(tree: Any, op: Any, sync: bool, group: Any):
                 f"{flat.path(i)}: op {ops[i]!r} is not defined for {dtype}; {_REFUSED[ops[i]]}"
             )
         keys.append((dtype, table[ops[i]]))
-    return flat, ops, keys, _backends.resolve(flat, group)
+    return ops, keys
 
 
 def _reduce(tree: Any, op: Any, sync: bool, group: Any) -> Any:
-    flat, ops, keys, backend = _reduce_plan(tree, op, sync, group)
+    flat = _tree.flatten(tree)
+    _check_sync(flat, sync)
+    backend = _backends.resolve(flat, group)
     w = backend.world_size()
-    buckets = _pack.plan(flat.leaves, keys, [k[0] for k in keys])
 
-    def send(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
-        return backend.all_reduce(_wire.encode_reduce(buf, b.key[1], backend.bitcast), b.key[1])
+    def build() -> _Plan:
+        ops, keys = _reduce_ops(flat, op)
+        means = frozenset(i for i, o in enumerate(ops) if o == "mean")
+        return _layout(flat, keys, [k[0] for k in keys], (), _leaf_shape(flat), means)
 
-    def receive(reduced: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
-        return _wire.decode_reduce(reduced, b.key[0], b.key[1], backend.bitcast)
+    # (an op tree is not hashable: its plan is built for the call)
+    plan = _plan(("reduce", op, flat.key), build) if isinstance(op, str) else build()
 
-    def finish(i: int, t: torch.Tensor) -> torch.Tensor:
-        return t / w if ops[i] == "mean" else t
+    def pack(buckets: list[_pack.Bucket], parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        return [
+            _wire.encode_reduce(backend.concat(p, b.part_shapes), b.key[1], backend.bitcast)
+            for b, p in zip(buckets, parts)
+        ]
+
+    def unpack(results: list[torch.Tensor], buckets: list[_pack.Bucket]) -> list[torch.Tensor]:
+        return [
+            _wire.decode_reduce(r, b.key[0], b.key[1], backend.bitcast)
+            for r, b in zip(results, buckets)
+        ]
 
     out = _run(
         backend,
         flat,
-        buckets,
-        (),
-        send,
-        receive,
-        lambda i: tuple(flat.leaves[i].shape),
-        finish,
+        plan,
+        pack,
+        lambda wire, b: backend.all_reduce(wire, b.key[1]),
+        unpack,
+        lambda i, t: t / w,
         sync=sync,
         name="xcoll.reduce",
     )
     return _outputs(flat, out, _tree.to_python)
+
+
+def _pack_moves(backend: _backends.Backend):
+    """A move's ``pack``: buffers that carry their buckets bit for bit."""
+    return lambda buckets, parts: backend.pack_moves(parts, [b.part_shapes for b in buckets])
+
+
+def _unpack_moves(backend: _backends.Backend, world: int | None):
+    """A move's ``unpack`` (``world``: a gather's)."""
+    return lambda results, buckets: backend.unpack_moves(
+        results, [b.dtype for b in buckets], [b.sizes for b in buckets], world
+    )
+
+
+def _leaf_shape(flat: _tree.Flat) -> Callable[[int], tuple[int, ...]]:
+    return lambda i: tuple(flat.leaves[i].shape)
 
 
 def broadcast(tree: Any, *, src: int = 0, sync: bool = True, group: Any = None) -> Any:
@@ -412,23 +482,20 @@ def _broadcast_plan(tree: Any, src: Any, sync: bool, group: Any):
 
 def _broadcast(tree: Any, src: int, sync: bool, group: Any) -> Any:
     flat, backend = _broadcast_plan(tree, src, sync, group)
-    dtypes = [_dtype(leaf) for leaf in flat.leaves]
-    buckets = _pack.plan(flat.leaves, dtypes, dtypes)
 
-    def send(buf: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
-        return backend.broadcast(_wire.encode_move(buf, backend.bitcast), src)
+    def build() -> _Plan:
+        dtypes = [_dtype(leaf) for leaf in flat.leaves]
+        return _layout(flat, dtypes, dtypes, (), _leaf_shape(flat))
 
-    def receive(wire: torch.Tensor, b: _pack.Bucket) -> torch.Tensor:
-        return _wire.decode_move(wire, b.dtype, backend.bitcast)
+    plan = _plan(("broadcast", flat.key), build)
 
     out = _run(
         backend,
         flat,
-        buckets,
-        (),
-        send,
-        receive,
-        lambda i: tuple(flat.leaves[i].shape),
+        plan,
+        _pack_moves(backend),
+        lambda wire, b: backend.broadcast(wire, src),
+        _unpack_moves(backend, None),
         sync=sync,
         name="xcoll.broadcast",
     )

@@ -7,6 +7,7 @@ torch.distributed and a single process.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +46,19 @@ class Bucket:
     @property
     def slots(self) -> list[Slot]:
         return self.tensors + self.scalars
+
+    # Read on every call of a cached plan (buckets are not changed once planned).
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        """Each tensor slot's number of elements, then the scalar block's."""
+        return [s.numel for s in self.tensors] + [len(self.scalars)]
+
+    @functools.cached_property
+    def part_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of the bucket's :func:`parts`."""
+        return tuple(s.shape for s in self.tensors) + (
+            ((len(self.scalars),),) if self.scalars else ()
+        )
 
 
 def plan(
@@ -110,25 +124,45 @@ def slot_major(buf: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
 def split(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     """Consecutive pieces of the 1-d ``flat`` as views of ``shapes``.
 
-    A few torch calls per run of equal shapes rather than one per piece: each
-    call may hand the GIL to another replica thread (XLA:CPU runs one per
-    device), and waiting to get it back costs far more than the call (measured:
-    37 us per ``view`` with 4 replica threads on 2 cores, against 1.3 us alone).
+    One torch call when no piece is empty, a few per run of equal shapes
+    otherwise, rather than one per piece: each call may hand the GIL to another
+    replica thread (XLA:CPU runs one per device), and waiting to get it back
+    costs far more than the call (measured: 37 us per ``view`` with 4 replica
+    threads on 2 cores, against 1.3 us alone).
     """
+    shapes = tuple(shapes)
+    templates = _templates(shapes)
+    if templates is not None:
+        return list(torch._utils._unflatten_dense_tensors(flat, templates))
+    groups, sizes = _groups(shapes)
+    out: list[torch.Tensor] = []
+    for (shape, k), chunk in zip(groups, flat.split(sizes)):
+        if k == 1:
+            out.append(chunk.view(shape))
+        else:
+            out.extend(chunk.view(k, *shape).unbind(0))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _templates(shapes: tuple[tuple[int, ...], ...]) -> list[torch.Tensor] | None:
+    """Storage-less tensors of ``shapes``, for ``_unflatten_dense_tensors`` (which
+    gives an empty piece the wrong shape: None then)."""
+    if any(numel(s) == 0 for s in shapes):
+        return None
+    return [torch.empty(s, device="meta") for s in shapes]
+
+
+@functools.lru_cache(maxsize=1024)
+def _groups(shapes: tuple[tuple[int, ...], ...]):
+    """Runs of equal shapes, ``(shape, count)``, and each run's number of elements."""
     groups: list[tuple[tuple[int, ...], int]] = []
     for shape in shapes:
         if groups and groups[-1][0] == shape:
             groups[-1] = (shape, groups[-1][1] + 1)
         else:
             groups.append((shape, 1))
-    out: list[torch.Tensor] = []
-    chunks = flat.split([k * numel(shape) for shape, k in groups])
-    for (shape, k), chunk in zip(groups, chunks):
-        if k == 1:
-            out.append(chunk.view(shape))
-        else:
-            out.extend(chunk.view(k, *shape).unbind(0))
-    return out
+    return groups, [k * numel(shape) for shape, k in groups]
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -138,25 +172,19 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``parts`` flattened and concatenated into one new 1-d tensor."""
+def concat(parts: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]] = ()) -> torch.Tensor:
+    """``parts`` (of ``shapes``) flattened and concatenated into one new 1-d tensor."""
     return torch.cat([p.reshape(-1) for p in parts])
 
 
-def pack(
-    bucket: Bucket,
-    leaves: Sequence[object],
-    upload: Callable[[torch.Tensor], torch.Tensor],
-    concat: Callable[[Sequence[torch.Tensor]], torch.Tensor] = concat,
-) -> torch.Tensor:
-    """The bucket's leaves as one 1-d buffer of ``bucket.size`` elements.
-
-    ``upload`` moves the CPU tensor of Python scalars to the leaves' device; it is
-    called at most once per bucket. ``concat`` flattens and joins the parts (a
-    backend may do it in one operation).
-    """
-    parts = [leaves[s.leaf] for s in bucket.tensors]
+def parts(
+    bucket: Bucket, leaves: Sequence[object], upload: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor]:
+    """The tensors whose concatenation is the bucket's packed buffer, one per
+    entry of ``bucket.part_shapes``: its tensor leaves, then one 1-d tensor of
+    its Python scalars, made on the host and moved by ``upload`` (once)."""
+    out = [leaves[s.leaf] for s in bucket.tensors]
     if bucket.scalars:
         values = [leaves[s.leaf] for s in bucket.scalars]
-        parts.append(upload(torch.tensor(values, dtype=bucket.dtype)))
-    return concat(parts)
+        out.append(upload(torch.tensor(values, dtype=bucket.dtype)))
+    return out

@@ -38,11 +38,25 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 @dataclass(frozen=True)
 class Flat:
-    """A flattened tree: ``leaves[i]`` is a tensor or a Python scalar."""
+    """A flattened tree: ``leaves[i]`` is a tensor or a Python scalar.
+
+    ``signature`` holds what a call's plan depends on, one entry per leaf: a
+    tensor's ``(dtype, shape, device, layout)``, a Python scalar's type.
+    ``devices`` are the distinct devices of the tensor leaves, in order of
+    appearance; ``scalars`` the indices of the Python scalar leaves.
+    """
 
     tree: Any
     leaves: list[Any]
     treespec: optree.PyTreeSpec
+    signature: tuple
+    devices: tuple[torch.device, ...]
+    scalars: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple:
+        """Equal for trees of the same structure, leaf types, dtypes, shapes and devices."""
+        return (self.treespec, self.signature)
 
     def path(self, i: int) -> str:
         """The Python expression that reaches leaf ``i``, e.g. ``tree['preds'][2]``."""
@@ -52,8 +66,18 @@ class Flat:
         return optree.tree_unflatten(self.treespec, leaves)
 
 
+# (treespec, signature) of trees already checked -> (the indices of their Python
+# int leaves, whose range is checked on every call; their tensor devices; the
+# indices of their Python scalars).
+_checked: dict[tuple, tuple[list[int], tuple[torch.device, ...], tuple[int, ...]]] = {}
+_MAX_CHECKED = 1024
+
+
 def flatten(tree: Any) -> Flat:
     """Flattens ``tree`` and checks every leaf, before anything is communicated.
+
+    A tree whose structure and leaf signatures were checked before is only
+    checked again for the values of its Python ints.
 
     Raises:
         TypeError: a leaf is not a tensor, bool, int or float, or has an
@@ -61,27 +85,48 @@ def flatten(tree: Any) -> Flat:
         ValueError: a Python int does not fit in int64.
     """
     leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False)
-    flat = Flat(tree, leaves, treespec)
+    signature = tuple(
+        [
+            (leaf.dtype, leaf.shape, leaf.device, leaf.layout)
+            if isinstance(leaf, torch.Tensor)
+            else type(leaf)
+            for leaf in leaves
+        ]
+    )
+    known = _checked.get((treespec, signature))
+    if known is None:
+        _check(leaves, treespec)
+        scalars = tuple(i for i, s in enumerate(signature) if not isinstance(s, tuple))
+        ints = [i for i in scalars if issubclass(signature[i], int) and signature[i] is not bool]
+        devices = tuple(dict.fromkeys(s[2] for s in signature if isinstance(s, tuple)))
+        if len(_checked) >= _MAX_CHECKED:
+            _checked.clear()
+        known = _checked[(treespec, signature)] = (ints, devices, scalars)
+    flat = Flat(tree, leaves, treespec, signature, known[1], known[2])
+    for i in known[0]:
+        if not _INT64_MIN <= leaves[i] <= _INT64_MAX:
+            raise ValueError(f"{flat.path(i)}: Python int {leaves[i]} does not fit in int64")
+    return flat
+
+
+def _check(leaves: list[Any], treespec: optree.PyTreeSpec) -> None:
+    def path(i: int) -> str:
+        return treespec.accessors()[i].codify("tree")
+
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             if leaf.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(
-                    f"{flat.path(i)}: dtype {leaf.dtype} is not supported; xcoll moves "
+                    f"{path(i)}: dtype {leaf.dtype} is not supported; xcoll moves "
                     f"{', '.join(sorted(str(d) for d in SUPPORTED_DTYPES))}"
                 )
             if leaf.is_sparse or leaf.layout != torch.strided:
-                raise TypeError(f"{flat.path(i)}: only strided (dense) tensors are supported")
-        elif isinstance(leaf, (bool, float)):
-            pass
-        elif isinstance(leaf, int):
-            if not _INT64_MIN <= leaf <= _INT64_MAX:
-                raise ValueError(f"{flat.path(i)}: Python int {leaf} does not fit in int64")
-        else:
+                raise TypeError(f"{path(i)}: only strided (dense) tensors are supported")
+        elif not isinstance(leaf, (bool, int, float)):
             raise TypeError(
-                f"{flat.path(i)}: unsupported leaf of type {type(leaf).__qualname__}; "
+                f"{path(i)}: unsupported leaf of type {type(leaf).__qualname__}; "
                 "xcoll communicates tensors and Python bool/int/float (None is structure)"
             )
-    return flat
 
 
 def scalar_dtype(value: bool | int | float) -> torch.dtype:

@@ -40,24 +40,51 @@ class Backend(ABC):
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
         return cpu.to(self.device)
 
-    def concat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``parts`` flattened and joined into one new 1-d tensor."""
+    def concat(
+        self, parts: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]]
+    ) -> torch.Tensor:
+        """``parts`` (of ``shapes``) flattened and joined into one new 1-d tensor."""
         from .._pack import concat
 
-        return concat(parts)
+        return concat(parts, shapes)
 
-    def slot_major(self, buf: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-        """``(W, sum(sizes))`` -> 1-d, each slot's ``(W, size)`` block contiguous
-        (see :func:`xcoll._pack.slot_major`)."""
-        from .._pack import slot_major
+    def pack_moves(
+        self, parts: Sequence[Sequence[torch.Tensor]], shapes: Sequence[Sequence[tuple[int, ...]]]
+    ) -> list[torch.Tensor]:
+        """For each bucket of a move (gather, broadcast): its ``parts`` (of
+        ``shapes``, all of one dtype) flattened, joined and encoded for the wire
+        (:func:`xcoll._wire.encode_move`), as one 1-d tensor. A backend may
+        build all of them in one operation."""
+        from .. import _wire
 
-        return slot_major(buf, sizes)
+        return [_wire.encode_move(self.concat(p, s), self.bitcast) for p, s in zip(parts, shapes)]
 
-    def split(self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-        """Consecutive pieces of the 1-d ``flat``, of ``shapes``."""
+    def unpack_moves(
+        self,
+        results: Sequence[torch.Tensor],
+        dtypes: Sequence[torch.dtype],
+        sizes: Sequence[Sequence[int]],
+        world: int | None,
+    ) -> list[torch.Tensor]:
+        """Inverse of :meth:`pack_moves` on the collectives' results: each
+        decoded to its bucket's dtype, 1-d. With ``world`` (a gather's
+        ``(world * size,)`` results, slots of ``sizes``) each slot's
+        ``(world, size)`` block is made contiguous (:func:`xcoll._pack.slot_major`)."""
+        from .. import _pack, _wire
+
+        out = []
+        for r, dtype, n in zip(results, dtypes, sizes):
+            r = _wire.decode_move(r, dtype, self.bitcast)
+            out.append(_pack.slot_major(r.view(world, -1), n) if world else r)
+        return out
+
+    def split(
+        self, flats: Sequence[torch.Tensor], shapes: Sequence[Sequence[tuple[int, ...]]]
+    ) -> list[list[torch.Tensor]]:
+        """Each 1-d tensor of ``flats`` cut into consecutive pieces of its ``shapes``."""
         from .._pack import split
 
-        return split(flat, shapes)
+        return [split(f, s) for f, s in zip(flats, shapes)]
 
     def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Reinterprets the bits of ``t`` as ``dtype`` (same element size)."""
@@ -153,18 +180,16 @@ def resolve(flat: Flat, group: Any = None) -> Backend:
     XLA leaves -> XLA; other leaves -> torch.distributed if a process group is
     initialised (or ``group`` is given); otherwise a world of one.
     """
-    first = None
-    for i, leaf in enumerate(flat.leaves):
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        if first is None:
-            first = i
-        elif leaf.device != flat.leaves[first].device:
-            raise TypeError(
-                f"leaves are on different devices: {flat.path(first)} on "
-                f"{flat.leaves[first].device}, {flat.path(i)} on {leaf.device}; "
-                "one call communicates the leaves of one device"
-            )
+    if len(flat.devices) > 1:
+        tensors = [i for i, leaf in enumerate(flat.leaves) if isinstance(leaf, torch.Tensor)]
+        first = tensors[0]
+        i = next(i for i in tensors if flat.leaves[i].device != flat.leaves[first].device)
+        raise TypeError(
+            f"leaves are on different devices: {flat.path(first)} on "
+            f"{flat.leaves[first].device}, {flat.path(i)} on {flat.leaves[i].device}; "
+            "one call communicates the leaves of one device"
+        )
+    first = next((i for i, s in enumerate(flat.signature) if isinstance(s, tuple)), None)
     if first is None:
         backend = current(group)
         backend.validate(flat)

@@ -32,7 +32,7 @@ import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from .. import _pack, _tree
+from .. import _pack, _tree, _wire
 from . import Backend
 
 SYNC_LOCK = threading.Lock()
@@ -90,6 +90,24 @@ def sync(device: torch.device | None = None) -> None:
     _wait(device)
 
 
+def _encode(op, dtype: torch.dtype):
+    """_wire.encode_move in an XLA computation."""
+    if dtype == torch.bool:
+        return op.cast(xb.Type.U8)
+    if dtype in _wire.BITS:
+        return op.bitcast(_XLA_TYPES[_wire.BITS[dtype]])
+    return op
+
+
+def _decode(op, dtype: torch.dtype):
+    """_wire.decode_move in an XLA computation."""
+    if dtype == torch.bool:
+        return op != op.zeros_like()
+    if dtype in _wire.BITS:
+        return op.bitcast(_XLA_TYPES[dtype])
+    return op
+
+
 # Settings under which the device keeps some dtypes in a narrower one: values of
 # those dtypes would change in transit, so such leaves are refused.
 _DOWNCASTS = {
@@ -102,6 +120,7 @@ _DOWNCASTS = {
 class XlaBackend(Backend):
     def __init__(self, device: torch.device | None):
         self.device = torch.device(device) if device is not None else torch_xla.device()
+        self._name = str(self.device)
 
     def validate(self, flat) -> None:
         narrowed = {}
@@ -110,6 +129,8 @@ class XlaBackend(Backend):
                 narrowed.update({d: (var, to) for d in dtypes})
         if xm.xla_device_hw(self.device) == "TPU":
             narrowed.setdefault(torch.float64, ("the TPU", "float32"))
+        if not narrowed:
+            return
         for i, leaf in enumerate(flat.leaves):
             dtype = leaf.dtype if isinstance(leaf, torch.Tensor) else _tree.scalar_dtype(leaf)
             if dtype in narrowed:
@@ -134,17 +155,19 @@ class XlaBackend(Backend):
         )
         return torch_xla._XLAC._xla_user_computation("xla::xcoll_bitcast", [t], computation)[0]
 
-    def concat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    def concat(
+        self, parts: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]]
+    ) -> torch.Tensor:
         # One small XLA computation per list of shapes: one node in the traced
         # graph instead of a reshape per leaf and a cat (10x less tracing at 256
         # leaves, measured: 0.12 ms against 1.25 ms).
-        sizes = [p.numel() for p in parts]
-
         def join(*params):
-            return xb.Op.concat_in_dim([q.reshape([n]) for q, n in zip(params, sizes)], 0)
+            return xb.Op.concat_in_dim(
+                [q.reshape([_pack.numel(s)]) for q, s in zip(params, shapes)], 0
+            )
 
         computation = _computation(
-            ("concat", parts[0].dtype, tuple(tuple(p.shape) for p in parts)),
+            ("concat", parts[0].dtype, tuple(shapes)),
             lambda: xb.create_computation(
                 "xcoll_concat", join, [xb.tensor_shape(p) for p in parts]
             ),
@@ -153,66 +176,119 @@ class XlaBackend(Backend):
             0
         ]
 
-    def slot_major(self, buf: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-        # One node, like concat: a slice and a transpose per run of equal sizes.
-        w, total = buf.shape
-        if w == 1:
-            return buf.reshape(-1)
-        blocks = _pack.runs(sizes)
+    # A move's buckets are packed by one XLA computation and unpacked by another,
+    # each one node of the traced graph (every torch call a replica thread makes
+    # can hand the GIL to another replica; at W=4 on 2 cores the calls, not the
+    # work, were most of a call's time). They lower _wire's move encoding: float
+    # bits as the integer of the same width, bool as uint8.
 
-        def regroup(p):
-            return xb.Op.concat_in_dim(
-                [
-                    p.slice_in_dim(a, a + k * n, 1)
-                    .reshape([w, k, n])
-                    .transpose([1, 0, 2])
-                    .reshape([w * k * n])
-                    for a, k, n in blocks
-                ],
-                0,
+    def pack_moves(
+        self, parts: Sequence[Sequence[torch.Tensor]], shapes: Sequence[Sequence[tuple[int, ...]]]
+    ) -> list[torch.Tensor]:
+        dtypes = [p[0].dtype for p in parts]
+        flat = [t for p in parts for t in p]
+
+        def build():
+            def pack(*params):
+                wires, at = [], 0
+                for dtype, bucket_shapes in zip(dtypes, shapes):
+                    ops = params[at : at + len(bucket_shapes)]
+                    at += len(bucket_shapes)
+                    joined = xb.Op.concat_in_dim(
+                        [q.reshape([_pack.numel(s)]) for q, s in zip(ops, bucket_shapes)], 0
+                    )
+                    wires.append(_encode(joined, dtype))
+                return xb.Op.tuple(wires)
+
+            return xb.create_computation("xcoll_pack", pack, [xb.tensor_shape(t) for t in flat])
+
+        key = ("pack_moves", tuple(dtypes), tuple(tuple(s) for s in shapes))
+        return list(
+            torch_xla._XLAC._xla_user_computation("xla::xcoll_pack", flat, _computation(key, build))
+        )
+
+    def unpack_moves(
+        self,
+        results: Sequence[torch.Tensor],
+        dtypes: Sequence[torch.dtype],
+        sizes: Sequence[Sequence[int]],
+        world: int | None,
+    ) -> list[torch.Tensor]:
+        def build():
+            def unpack(*params):
+                out = []
+                for p, dtype, n in zip(params, dtypes, sizes):
+                    p = _decode(p, dtype)
+                    if world and world > 1:  # each slot's (W, size) block made contiguous
+                        p = xb.Op.concat_in_dim(
+                            [
+                                p.reshape([world, sum(n)])
+                                .slice_in_dim(a, a + k * m, 1)
+                                .reshape([world, k, m])
+                                .transpose([1, 0, 2])
+                                .reshape([world * k * m])
+                                for a, k, m in _pack.runs(n)
+                            ],
+                            0,
+                        )
+                    out.append(p)
+                return xb.Op.tuple(out)
+
+            return xb.create_computation(
+                "xcoll_unpack", unpack, [xb.tensor_shape(r) for r in results]
             )
 
-        computation = _computation(
-            ("slot_major", buf.dtype, w, tuple(sizes)),
-            lambda: xb.create_computation("xcoll_slot_major", regroup, [xb.tensor_shape(buf)]),
+        key = ("unpack_moves", tuple(dtypes), tuple(tuple(n) for n in sizes), world)
+        return list(
+            torch_xla._XLAC._xla_user_computation(
+                "xla::xcoll_unpack", list(results), _computation(key, build)
+            )
         )
-        return torch_xla._XLAC._xla_user_computation("xla::xcoll_slot_major", [buf], computation)[
-            0
-        ]
 
-    def split(self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    def split(
+        self, flats: Sequence[torch.Tensor], shapes: Sequence[Sequence[tuple[int, ...]]]
+    ) -> list[list[torch.Tensor]]:
         # One node with an output per piece, instead of a slice and a reshape
         # traced per leaf.
-        def cut(p):
-            pieces, offset = [], 0
-            for shape in shapes:
-                n = _pack.numel(shape)
-                pieces.append(p.slice_in_dim(offset, offset + n, 0).reshape(list(shape)))
-                offset += n
-            return xb.Op.tuple(pieces)
+        def build():
+            def cut(*params):
+                pieces = []
+                for p, bucket_shapes in zip(params, shapes):
+                    offset = 0
+                    for shape in bucket_shapes:
+                        n = _pack.numel(shape)
+                        pieces.append(p.slice_in_dim(offset, offset + n, 0).reshape(list(shape)))
+                        offset += n
+                return xb.Op.tuple(pieces)
 
-        computation = _computation(
-            ("split", flat.dtype, flat.shape[0], tuple(shapes)),
-            lambda: xb.create_computation("xcoll_split", cut, [xb.tensor_shape(flat)]),
+            return xb.create_computation("xcoll_split", cut, [xb.tensor_shape(f) for f in flats])
+
+        key = ("split", tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes))
+        pieces = iter(
+            torch_xla._XLAC._xla_user_computation(
+                "xla::xcoll_split", list(flats), _computation(key, build)
+            )
         )
-        return list(torch_xla._XLAC._xla_user_computation("xla::xcoll_split", [flat], computation))
+        return [[next(pieces) for _ in bucket_shapes] for bucket_shapes in shapes]
 
     def _fresh_token(self) -> None:
-        # Isolates each collective from NaN in the results of earlier ones
-        # (the caller's, when sync=False, or this call's).
-        torch_xla._XLAC._set_all_reduce_token(str(self.device), None)
+        # Isolates each collective from NaN in the results of earlier ones (the
+        # caller's, when sync=False, or this call's), and, from wait(), the
+        # caller's later collectives from this call's.
+        torch_xla._XLAC._set_all_reduce_token(self._name, None)
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         self._fresh_token()
-        out = xm.all_gather(buf, dim=0, pin_layout=False)
-        self._fresh_token()
-        return out
+        # xm.all_gather(buf, pin_layout=False) without its token lookup (this
+        # form of all-gather does not use it)
+        return torch_xla._XLAC._xla_all_gather(buf, 0, xr.world_size(), [], False, None, None)
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
         self._fresh_token()
-        out = xm.all_reduce(_REDUCE_TYPES[op], buf, pin_layout=False)
+        return xm.all_reduce(_REDUCE_TYPES[op], buf, pin_layout=False)
+
+    def wait(self) -> None:
         self._fresh_token()
-        return out
 
     def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
         # Integer sum with zeros from every other replica: exact, and nothing of
@@ -229,6 +305,7 @@ class XlaBackend(Backend):
 
     def exchange(self, buf: torch.Tensor) -> torch.Tensor:
         out = self.all_gather(buf)
+        self._fresh_token()
         with SYNC_LOCK:  # runs the graph of ``out`` alone, not everything pending
             torch_xla._XLAC._xla_sync_multi([out], devices=[], wait=False)
         _wait(self.device)
