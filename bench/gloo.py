@@ -1,0 +1,122 @@
+"""The gloo side of the benchmark: xcoll and accelerate's / torchmetrics' own
+functions, called verbatim, on W torch.distributed processes.
+
+Each method is ``prepare(tree) -> call`` as in :mod:`bench.xla`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+Call = Callable[[], Any]
+
+
+def _accelerate():
+    os.environ["USE_TORCH_XLA"] = "0"  # accelerate would otherwise import torch_xla
+    import accelerate.utils
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # joins the process group that is already initialised
+    return accelerate.utils
+
+
+def xcoll_gather(tree: dict) -> Call:
+    import xcoll
+
+    return lambda: xcoll.gather(tree)
+
+
+def xcoll_reduce(tree: dict) -> Call:
+    import xcoll
+
+    return lambda: xcoll.reduce(tree, "sum")
+
+
+def xcoll_broadcast(tree: dict) -> Call:
+    import xcoll
+
+    return lambda: xcoll.broadcast(tree, src=0)
+
+
+def xcoll_uneven(tree: dict) -> Call:
+    import xcoll
+
+    return lambda: xcoll.gather(tree, uneven=True)
+
+
+def accelerate_gather(tree: dict) -> Call:
+    gather = _accelerate().gather
+    return lambda: gather(tree)
+
+
+def accelerate_reduce(tree: dict) -> Call:
+    reduce = _accelerate().reduce
+    return lambda: reduce(tree, "sum")
+
+
+def accelerate_broadcast(tree: dict) -> Call:
+    broadcast = _accelerate().broadcast  # in place: the tree becomes rank 0's
+    return lambda: broadcast(tree, 0)
+
+
+def torchmetrics_uneven(tree: dict) -> Call:
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    return lambda: optree.tree_map(lambda t: torch.cat(gather_all_tensors(t)), tree)
+
+
+def ideal_gather(tree: dict) -> Call:
+    import torch.distributed as dist
+
+    from .trees import nbytes
+
+    buf = torch.zeros(nbytes(tree), dtype=torch.uint8)
+    out = torch.empty(dist.get_world_size() * buf.numel(), dtype=torch.uint8)
+    return lambda: dist.all_gather_into_tensor(out, buf)
+
+
+#: op -> method name -> prepare; xcoll's method first.
+METHODS: dict[str, dict[str, Callable[[dict], Call]]] = {
+    "gather": {
+        "xcoll.gather": xcoll_gather,
+        "accelerate.utils.gather": accelerate_gather,
+        "ideal: one all_gather_into_tensor of a pre-packed buffer": ideal_gather,
+    },
+    "reduce": {
+        "xcoll.reduce": xcoll_reduce,
+        "accelerate.utils.reduce": accelerate_reduce,
+    },
+    "broadcast": {
+        "xcoll.broadcast": xcoll_broadcast,
+        "accelerate.utils.broadcast": accelerate_broadcast,
+    },
+    "uneven gather": {
+        "xcoll.gather(uneven=True)": xcoll_uneven,
+        "torchmetrics gather_all_tensors per leaf + torch.cat": torchmetrics_uneven,
+    },
+}
+
+
+def collectives(call: Call) -> int:
+    """The process-group collectives one ``call()`` issues, counted by the torch
+    profiler (its ``gloo:`` events; barriers included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return sum(
+        e.count for e in prof.key_averages() if e.key.startswith("gloo:")
+    )
+
+
+def tree_for(n: int, uneven: bool) -> dict:
+    import torch.distributed as dist
+
+    from .trees import make
+
+    return make(n, dist.get_rank(), uneven=uneven)

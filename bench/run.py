@@ -1,0 +1,161 @@
+"""xcoll against the tools people use today, side by side in one run.
+
+    python -m bench [--quick] [--replicas 4] [--leaves 1 8 64 256 1024] [--out bench]
+
+On W XLA:CPU replicas (threads of one process) and on W gloo processes, for trees
+of ``--leaves`` leaves of mixed dtypes and shapes (:mod:`bench.trees`), it
+times every method of :mod:`bench.xla` and :mod:`bench.gloo` (median seconds per
+call on rank 0, after warm-up) and counts per call and per replica: graph
+executions and compilations, collective ops traced, and device-to-host
+transfers (torch_xla's metrics), or process-group collectives (the torch
+profiler's ``gloo:`` events). It writes ``results.json``, ``results.md`` (the
+tables, with each peer's time over xcoll's) and ``results.png`` (time per call
+against leaves, log-log) to ``--out``.
+
+``--quick`` (1, 8 and 64 leaves, fewer repeats) checks that everything runs, in
+under 3 minutes on a 2-core machine; its numbers are not the ones to quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from xcoll.testing import GlooPool, XlaPool
+
+
+def _xla_cell(args: tuple[str, str, int, int]) -> list[float]:
+    from bench import xla
+
+    op, method, n, repeats = args
+    call = xla.METHODS[op][method](xla.tree_for(n))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _gloo_cell(args: tuple[str, str, int, int]) -> tuple[list[float], int]:
+    from bench import gloo
+
+    op, method, n, repeats = args
+    call = gloo.METHODS[op][method](gloo.tree_for(n, uneven=op.startswith("uneven")))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times, gloo.collectives(call)
+
+
+def _repeats(seconds_per_call: float, budget: float, most: int) -> int:
+    return max(3, min(most, int(budget / max(seconds_per_call, 1e-6))))
+
+
+def _xla_cells(w: int, leaves: list[int], budget: float, most: int, log) -> list[dict]:
+    from bench import xla
+
+    cells = []
+    with XlaPool(w, timeout=1800) as pool:
+        for op, methods in xla.METHODS.items():
+            for n in leaves:
+                for method in methods:
+                    warm = pool.run(_xla_cell, [(op, method, n, 2)] * w)[0]
+                    repeats = _repeats(warm[1], budget, most)
+                    c0 = pool.run(xla.counters)[0]
+                    times = pool.run(_xla_cell, [(op, method, n, repeats)] * w)[0]
+                    c1 = pool.run(xla.counters)[0]
+                    per_call = {k: (c1[k] - c0[k]) / (w * repeats) for k in c0}
+                    cells.append(
+                        {
+                            "backend": f"XLA:CPU W={w}",
+                            "op": op,
+                            "method": method,
+                            "leaves": n,
+                            "median_ms": 1e3 * statistics.median(times),
+                            "first_ms": 1e3 * warm[0],
+                            "repeats": repeats,
+                            **per_call,
+                        }
+                    )
+                    log(cells[-1])
+    return cells
+
+
+def _gloo_cells(w: int, leaves: list[int], budget: float, most: int, log) -> list[dict]:
+    from bench import gloo
+
+    cells = []
+    with GlooPool(w, timeout=1800) as pool:
+        for op, methods in gloo.METHODS.items():
+            for n in leaves:
+                for method in methods:
+                    warm, _ = pool.run(_gloo_cell, [(op, method, n, 2)] * w)[0]
+                    repeats = _repeats(warm[1], budget, most)
+                    times, collectives = pool.run(_gloo_cell, [(op, method, n, repeats)] * w)[0]
+                    cells.append(
+                        {
+                            "backend": f"gloo W={w}",
+                            "op": op,
+                            "method": method,
+                            "leaves": n,
+                            "median_ms": 1e3 * statistics.median(times),
+                            "first_ms": 1e3 * warm[0],
+                            "repeats": repeats,
+                            "collectives": collectives,
+                        }
+                    )
+                    log(cells[-1])
+    return cells
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1, 8 and 64 leaves, fewer repeats")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--leaves", type=int, nargs="+")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent)
+    a = p.parse_args(argv)
+    leaves = a.leaves or ([1, 8, 64] if a.quick else [1, 8, 64, 256, 1024])
+    budget, most = (0.5, 5) if a.quick else (3.0, 30)
+
+    def log(cell: dict) -> None:
+        print(
+            f"{cell['backend']:>12} {cell['op']:>13} {cell['leaves']:>5} "
+            f"{cell['median_ms']:10.2f} ms  {cell['method']}",
+            flush=True,
+        )
+
+    started = time.time()
+    cells = _xla_cells(a.replicas, leaves, budget, most, log)
+    cells += _gloo_cells(a.replicas, leaves, budget, most, log)
+    import torch
+
+    results = {
+        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {_cpus()} CPU cores, Python {platform.python_version()}, torch {torch.__version__}",
+        "seconds": round(time.time() - started),
+        "cells": cells,
+    }
+    from bench import report
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (a.out / "results.md").write_text(report.markdown(results))
+    report.plot(results, a.out / "results.png")
+    print(f"wrote {a.out / 'results.md'} and {a.out / 'results.png'} in {results['seconds']} s")
+    return results
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
