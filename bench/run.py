@@ -24,9 +24,10 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from xcoll.testing import GlooPool, XlaPool
+from xcoll.testing import GlooPool, PoolCrashed, XlaPool
 
 
 def _xla_cell(args: tuple[str, str, int, int]) -> list[float]:
@@ -55,11 +56,39 @@ def _gloo_cell(args: tuple[str, str, int, int]) -> tuple[list[float], int]:
     return times, gloo.collectives(call)
 
 
-def _repeats(seconds_per_call: float, budget: float, most: int) -> int:
-    return max(3, min(most, int(budget / max(seconds_per_call, 1e-6))))
+@dataclass
+class Runner:
+    """Measures cells: warm-up, then as many timed calls as fit in ``budget``
+    seconds (at least 3, at most ``most``)."""
+
+    budget: float
+    most: int
+    #: Worker crashes met (and retried), reported in results.md.
+    crashes: list[str] = field(default_factory=list)
+
+    def measure(self, pool, fn, args: tuple, counters=None):
+        """``(warm-up result, repeats, timed result, counters before, after)``. A
+        worker that dies (seen once in several runs: a segfault inside XLA:CPU)
+        is replaced by the pool, and the cell is measured again from its
+        warm-up, once."""
+        w = pool.world_size
+        for attempt in (1, 2):
+            try:
+                warm = pool.run(fn, [(*args, 2)] * w)[0]
+                second = (warm[0] if isinstance(warm, tuple) else warm)[1]
+                repeats = max(3, min(self.most, int(self.budget / max(second, 1e-6))))
+                c0 = counters and pool.run(counters)[0]
+                result = pool.run(fn, [(*args, repeats)] * w)[0]
+                c1 = counters and pool.run(counters)[0]
+                return warm, repeats, result, c0, c1
+            except PoolCrashed as e:
+                self.crashes.append(f"{args}: {str(e).splitlines()[0]}")
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
 
-def _xla_cells(w: int, leaves: list[int], budget: float, most: int, log) -> list[dict]:
+def _xla_cells(runner: Runner, w: int, leaves: list[int], log) -> list[dict]:
     from bench import xla
 
     cells = []
@@ -67,11 +96,9 @@ def _xla_cells(w: int, leaves: list[int], budget: float, most: int, log) -> list
         for op, methods in xla.METHODS.items():
             for n in leaves:
                 for method in methods:
-                    warm = pool.run(_xla_cell, [(op, method, n, 2)] * w)[0]
-                    repeats = _repeats(warm[1], budget, most)
-                    c0 = pool.run(xla.counters)[0]
-                    times = pool.run(_xla_cell, [(op, method, n, repeats)] * w)[0]
-                    c1 = pool.run(xla.counters)[0]
+                    warm, repeats, times, c0, c1 = runner.measure(
+                        pool, _xla_cell, (op, method, n), xla.counters
+                    )
                     per_call = {k: (c1[k] - c0[k]) / (w * repeats) for k in c0}
                     cells.append(
                         {
@@ -89,7 +116,7 @@ def _xla_cells(w: int, leaves: list[int], budget: float, most: int, log) -> list
     return cells
 
 
-def _gloo_cells(w: int, leaves: list[int], budget: float, most: int, log) -> list[dict]:
+def _gloo_cells(runner: Runner, w: int, leaves: list[int], log) -> list[dict]:
     from bench import gloo
 
     cells = []
@@ -97,9 +124,9 @@ def _gloo_cells(w: int, leaves: list[int], budget: float, most: int, log) -> lis
         for op, methods in gloo.METHODS.items():
             for n in leaves:
                 for method in methods:
-                    warm, _ = pool.run(_gloo_cell, [(op, method, n, 2)] * w)[0]
-                    repeats = _repeats(warm[1], budget, most)
-                    times, collectives = pool.run(_gloo_cell, [(op, method, n, repeats)] * w)[0]
+                    (warm, _), repeats, (times, collectives), _, _ = runner.measure(
+                        pool, _gloo_cell, (op, method, n)
+                    )
                     cells.append(
                         {
                             "backend": f"gloo W={w}",
@@ -124,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path(__file__).parent)
     a = p.parse_args(argv)
     leaves = a.leaves or ([1, 8, 64] if a.quick else [1, 8, 64, 256, 1024])
-    budget, most = (0.5, 5) if a.quick else (3.0, 30)
+    runner = Runner(0.5, 5) if a.quick else Runner(3.0, 30)
 
     def log(cell: dict) -> None:
         print(
@@ -134,15 +161,16 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     started = time.time()
-    cells = _xla_cells(a.replicas, leaves, budget, most, log)
-    cells += _gloo_cells(a.replicas, leaves, budget, most, log)
+    cells = _xla_cells(runner, a.replicas, leaves, log)
+    cells += _gloo_cells(runner, a.replicas, leaves, log)
     import torch
 
     results = {
-        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {_cpus()} CPU cores, Python {platform.python_version()}, torch {torch.__version__}",
         "seconds": round(time.time() - started),
+        "crashes": runner.crashes,
         "cells": cells,
     }
     from bench import report

@@ -168,6 +168,35 @@ def mesh_reduce_broadcast(tree: dict) -> Call:
     return lambda: optree.tree_map(lambda t: _mesh_reduce(t, lambda x: x[0]), tree)
 
 
+# ---- (e) the floor under xcoll: its packing and collectives, nothing else ---------
+
+
+def pack_floor_gather(tree: dict) -> Call:
+    """xcoll's own packing (one XLA node per dtype) and one all_gather per dtype,
+    results fetched in one transfer; no flattening, planning, unpacking or output
+    tensors. What is left of xcoll.gather(to_cpu=True) above this is the work
+    per call that these skip."""
+    import torch_xla.core.xla_model as xm
+
+    from xcoll._backends.xla import XlaBackend
+
+    backend = XlaBackend(_device())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for leaf in optree.tree_leaves(tree):
+        by_dtype.setdefault(leaf.dtype, []).append(leaf)
+    shapes = {d: tuple(tuple(t.shape) for t in ts) for d, ts in by_dtype.items()}
+
+    def call():
+        out = [
+            xm.all_gather(backend.concat(ts, shapes[d]), pin_layout=False)
+            for d, ts in by_dtype.items()
+        ]
+        _sync()
+        return _fetch(out)
+
+    return call
+
+
 # ---- (d) the ideal: one collective of one pre-packed buffer -----------------------
 
 
@@ -206,6 +235,7 @@ METHODS: dict[str, dict[str, Callable[[dict], Call]]] = {
         "(a) accelerate XLA gather algorithm, pin_layout=False, one fetch": accelerate_gather,
         "(c) mesh_reduce + torch.cat per leaf, pin_layout=False, raw bytes": mesh_reduce_gather,
         "(d) ideal: one all_gather of a pre-packed buffer, one fetch": ideal_gather,
+        "(e) floor: xcoll's packing and one all_gather per dtype, one fetch": pack_floor_gather,
     },
     "reduce": {
         "xcoll.reduce": xcoll_reduce,
