@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 import optree
 import torch
 
-Call = Callable[[], Any]
+from . import xcoll_calls as ours
+from .xcoll_calls import Call
 
 
 def _accelerate():
@@ -23,30 +23,6 @@ def _accelerate():
 
     PartialState(cpu=True)  # joins the process group that is already initialised
     return accelerate.utils
-
-
-def xcoll_gather(tree: dict) -> Call:
-    import xcoll
-
-    return lambda: xcoll.gather(tree)
-
-
-def xcoll_reduce(tree: dict) -> Call:
-    import xcoll
-
-    return lambda: xcoll.reduce(tree, "sum")
-
-
-def xcoll_broadcast(tree: dict) -> Call:
-    import xcoll
-
-    return lambda: xcoll.broadcast(tree, src=0)
-
-
-def xcoll_uneven(tree: dict) -> Call:
-    import xcoll
-
-    return lambda: xcoll.gather(tree, uneven=True)
 
 
 def accelerate_gather(tree: dict) -> Call:
@@ -83,20 +59,20 @@ def ideal_gather(tree: dict) -> Call:
 #: op -> method name -> prepare; xcoll's method first.
 METHODS: dict[str, dict[str, Callable[[dict], Call]]] = {
     "gather": {
-        "xcoll.gather": xcoll_gather,
+        "xcoll.gather": ours.gather,
         "accelerate.utils.gather": accelerate_gather,
         "ideal: one all_gather_into_tensor of a pre-packed buffer": ideal_gather,
     },
     "reduce": {
-        "xcoll.reduce": xcoll_reduce,
+        "xcoll.reduce": ours.reduce,
         "accelerate.utils.reduce": accelerate_reduce,
     },
     "broadcast": {
-        "xcoll.broadcast": xcoll_broadcast,
+        "xcoll.broadcast": ours.broadcast,
         "accelerate.utils.broadcast": accelerate_broadcast,
     },
     "uneven gather": {
-        "xcoll.gather(uneven=True)": xcoll_uneven,
+        "xcoll.gather(uneven=True)": ours.gather_uneven,
         "torchmetrics gather_all_tensors per leaf + torch.cat": torchmetrics_uneven,
     },
 }

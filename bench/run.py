@@ -30,11 +30,7 @@ from pathlib import Path
 from xcoll.testing import GlooPool, PoolCrashed, XlaPool
 
 
-def _xla_cell(args: tuple[str, str, int, int]) -> list[float]:
-    from bench import xla
-
-    op, method, n, repeats = args
-    call = xla.METHODS[op][method](xla.tree_for(n))
+def _time(call, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -43,24 +39,27 @@ def _xla_cell(args: tuple[str, str, int, int]) -> list[float]:
     return times
 
 
-def _gloo_cell(args: tuple[str, str, int, int]) -> tuple[list[float], int]:
+def _xla_cell(args: tuple[str, str, int, int]) -> tuple[list[float], dict]:
+    from bench import xla
+
+    op, method, n, repeats = args
+    return _time(xla.METHODS[op][method](xla.tree_for(n)), repeats), {}
+
+
+def _gloo_cell(args: tuple[str, str, int, int]) -> tuple[list[float], dict]:
     from bench import gloo
 
     op, method, n, repeats = args
     call = gloo.METHODS[op][method](gloo.tree_for(n, uneven=op.startswith("uneven")))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return times, gloo.collectives(call)
+    return _time(call, repeats), {"collectives": gloo.collectives(call)}
 
 
 @dataclass
 class Runner:
-    """Measures cells: warm-up, then as many timed calls as fit in ``budget``
-    seconds (at least 3, at most ``most``)."""
+    """Measures cells of trees of ``leaves`` leaves: warm-up, then as many timed
+    calls as fit in ``budget`` seconds (at least 3, at most ``most``)."""
 
+    leaves: list[int]
     budget: float
     most: int
     #: Worker crashes met (and retried), reported in results.md.
@@ -75,7 +74,7 @@ class Runner:
         for attempt in (1, 2):
             try:
                 warm = pool.run(fn, [(*args, 2)] * w)[0]
-                second = (warm[0] if isinstance(warm, tuple) else warm)[1]
+                second = warm[0][1]
                 repeats = max(3, min(self.most, int(self.budget / max(second, 1e-6))))
                 c0 = counters and pool.run(counters)[0]
                 result = pool.run(fn, [(*args, repeats)] * w)[0]
@@ -88,59 +87,33 @@ class Runner:
         raise AssertionError("unreachable")
 
 
-def _xla_cells(runner: Runner, w: int, leaves: list[int], log) -> list[dict]:
-    from bench import xla
-
-    cells = []
-    with XlaPool(w, timeout=1800) as pool:
-        for op, methods in xla.METHODS.items():
-            for n in leaves:
-                for method in methods:
-                    warm, repeats, times, c0, c1 = runner.measure(
-                        pool, _xla_cell, (op, method, n), xla.counters
-                    )
-                    per_call = {k: (c1[k] - c0[k]) / (w * repeats) for k in c0}
-                    cells.append(
-                        {
-                            "backend": f"XLA:CPU W={w}",
-                            "op": op,
-                            "method": method,
-                            "leaves": n,
-                            "median_ms": 1e3 * statistics.median(times),
-                            "first_ms": 1e3 * warm[0],
-                            "repeats": repeats,
-                            **per_call,
-                        }
-                    )
-                    log(cells[-1])
-    return cells
-
-
-def _gloo_cells(runner: Runner, w: int, leaves: list[int], log) -> list[dict]:
-    from bench import gloo
-
-    cells = []
-    with GlooPool(w, timeout=1800) as pool:
-        for op, methods in gloo.METHODS.items():
-            for n in leaves:
-                for method in methods:
-                    (warm, _), repeats, (times, collectives), _, _ = runner.measure(
-                        pool, _gloo_cell, (op, method, n)
-                    )
-                    cells.append(
-                        {
-                            "backend": f"gloo W={w}",
-                            "op": op,
-                            "method": method,
-                            "leaves": n,
-                            "median_ms": 1e3 * statistics.median(times),
-                            "first_ms": 1e3 * warm[0],
-                            "repeats": repeats,
-                            "collectives": collectives,
-                        }
-                    )
-                    log(cells[-1])
-    return cells
+def _cells(runner: Runner, pool, backend: str, methods: dict, cell, log, counters=None):
+    """Every (op, leaves, method) cell of ``methods`` on ``pool``. ``cell`` returns
+    the times and any counts it takes itself; ``counters`` (process-wide, read
+    before and after) give per-call counts per replica."""
+    out = []
+    for op, by_name in methods.items():
+        for n in runner.leaves:
+            for method in by_name:
+                (warm, _), repeats, (times, counts), c0, c1 = runner.measure(
+                    pool, cell, (op, method, n), counters
+                )
+                if counters:
+                    counts = {k: (c1[k] - c0[k]) / (pool.world_size * repeats) for k in c0}
+                out.append(
+                    {
+                        "backend": backend,
+                        "op": op,
+                        "method": method,
+                        "leaves": n,
+                        "median_ms": 1e3 * statistics.median(times),
+                        "first_ms": 1e3 * warm[0],
+                        "repeats": repeats,
+                        **counts,
+                    }
+                )
+                log(out[-1])
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -151,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path(__file__).parent)
     a = p.parse_args(argv)
     leaves = a.leaves or ([1, 8, 64] if a.quick else [1, 8, 64, 256, 1024])
-    runner = Runner(0.5, 5) if a.quick else Runner(3.0, 30)
+    runner = Runner(leaves, 0.5, 5) if a.quick else Runner(leaves, 3.0, 30)
 
     def log(cell: dict) -> None:
         print(
@@ -161,8 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     started = time.time()
-    cells = _xla_cells(runner, a.replicas, leaves, log)
-    cells += _gloo_cells(runner, a.replicas, leaves, log)
+    from bench import gloo, xla
+
+    w = a.replicas
+    with XlaPool(w, timeout=1800) as pool:
+        cells = _cells(runner, pool, f"XLA:CPU W={w}", xla.METHODS, _xla_cell, log, xla.counters)
+    with GlooPool(w, timeout=1800) as pool:
+        cells += _cells(runner, pool, f"gloo W={w}", gloo.METHODS, _gloo_cell, log)
     import torch
 
     results = {

@@ -30,7 +30,8 @@ from typing import Any
 import optree
 import torch
 
-Call = Callable[[], Any]
+from . import xcoll_calls as ours
+from .xcoll_calls import Call
 
 
 def _device():
@@ -57,33 +58,6 @@ def _packed(tree: dict) -> torch.Tensor:
     from .trees import nbytes
 
     return torch.zeros(nbytes(tree), dtype=torch.uint8).to(_device())
-
-
-# ---- xcoll -----------------------------------------------------------------------
-
-
-def xcoll_gather_to_cpu(tree: dict) -> Call:
-    import xcoll
-
-    return lambda: xcoll.gather(tree, to_cpu=True)
-
-
-def xcoll_gather(tree: dict) -> Call:
-    import xcoll
-
-    return lambda: xcoll.gather(tree)
-
-
-def xcoll_reduce(tree: dict) -> Call:
-    import xcoll
-
-    return lambda: xcoll.reduce(tree, "sum")
-
-
-def xcoll_broadcast(tree: dict) -> Call:
-    import xcoll
-
-    return lambda: xcoll.broadcast(tree, src=0)
 
 
 # ---- (a) accelerate's XLA gather: per-leaf all_gather, one mark_step --------------
@@ -230,20 +204,20 @@ def ideal_reduce(tree: dict) -> Call:
 #: the ratios are taken against.
 METHODS: dict[str, dict[str, Callable[[dict], Call]]] = {
     "gather": {
-        "xcoll.gather(to_cpu=True)": xcoll_gather_to_cpu,
-        "xcoll.gather (device outputs)": xcoll_gather,
+        "xcoll.gather(to_cpu=True)": ours.gather_to_cpu,
+        "xcoll.gather (device outputs)": ours.gather,
         "(a) accelerate XLA gather algorithm, pin_layout=False, one fetch": accelerate_gather,
         "(c) mesh_reduce + torch.cat per leaf, pin_layout=False, raw bytes": mesh_reduce_gather,
         "(d) ideal: one all_gather of a pre-packed buffer, one fetch": ideal_gather,
         "(e) floor: xcoll's packing and one all_gather per dtype, one fetch": pack_floor_gather,
     },
     "reduce": {
-        "xcoll.reduce": xcoll_reduce,
+        "xcoll.reduce": ours.reduce,
         "(b) accelerate XLA reduce algorithm, pin_layout=False": accelerate_reduce,
         "(d) ideal: one all_reduce of a pre-packed buffer": ideal_reduce,
     },
     "broadcast": {
-        "xcoll.broadcast": xcoll_broadcast,
+        "xcoll.broadcast": ours.broadcast,
         "(c) accelerate XLA broadcast algorithm: mesh_reduce per leaf, pin_layout=False, raw bytes": mesh_reduce_broadcast,
         "(d) ideal: one all_reduce of a pre-packed buffer": ideal_reduce,
     },
