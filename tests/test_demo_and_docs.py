@@ -58,11 +58,9 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     for c in cells.values():
         assert math.isfinite(c["median_ms"]) and c["median_ms"] > 0
         assert math.isfinite(c["first_ms"]) and c["first_ms"] >= c["median_ms"] / 10
-        assert c["repeats"] >= 3
         assert c["collectives"] > 0
         if c["backend"].startswith("XLA"):
             assert c["executions"] >= 1 and c["compiles"] == 0  # warm: nothing recompiles
-            assert c["transfers"] >= 0
 
     def count(backend, op, method, n, key="collectives"):
         return cells[(backend, op, method, n)][key]
@@ -79,6 +77,7 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
         assert count(x, op, method, 64) == 3
         assert count(x, op, method, 64, "executions") == 1
     assert count(x, "gather", "xcoll.gather(to_cpu=True)", 64, "transfers") == 1
+    assert count(x, "gather", "xcoll.gather (device outputs)", 64, "transfers") == 0
     assert count(x, "gather", next(m for m in xla.METHODS["gather"] if m.startswith("(a)")), 64) == 64
     assert count(x, "reduce", next(m for m in xla.METHODS["reduce"] if m.startswith("(b)")), 64, "executions") == 128
     assert count(g, "gather", "xcoll.gather", 64) == 3

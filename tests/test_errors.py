@@ -107,3 +107,29 @@ def test_errors_on_every_replica_and_the_pool_goes_on(pool, kind, path):
 
 def _ok():
     return xcoll.gather(xcoll.rank())[xcoll.rank()]
+
+
+class _Factory:
+    """A defaultdict factory that cannot be hashed (it defines __eq__ only), so
+    neither can the tree's treespec: such a tree is checked and planned on every
+    call instead of cached."""
+
+    def __call__(self):
+        return 0
+
+    def __eq__(self, other):
+        return isinstance(other, _Factory)
+
+    __hash__ = None
+
+
+def test_tree_with_an_unhashable_treespec():
+    from collections import defaultdict
+
+    tree = defaultdict(_Factory(), {"a": torch.tensor([1.0, -0.0]), "n": 3})
+    for _ in range(2):  # (the second call would hit the caches)
+        assert torch.equal(xcoll.gather(tree)["a"], tree["a"])
+        assert xcoll.reduce(tree, "max")["n"] == 3
+        assert xcoll.broadcast(tree)["n"] == 3
+    with pytest.raises(ValueError, match=r"tree\['n'\]: Python int"):
+        xcoll.gather(defaultdict(_Factory(), {"n": 2**63}))

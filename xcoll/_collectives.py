@@ -49,7 +49,10 @@ _MAX_PLANS = 1024
 
 def _plan(key: tuple, build: Callable[[], _Plan]) -> _Plan:
     """The plan for ``key``, built on first use. Building validates the call, so a
-    call that raises leaves nothing behind."""
+    call that raises leaves nothing behind. A key holding None (a tree that
+    cannot be hashed) is built for the call."""
+    if None in key:
+        return build()
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _MAX_PLANS:
@@ -404,7 +407,7 @@ def _reduce(tree: Any, op: Any, sync: bool, group: Any) -> Any:
         return _layout(flat, keys, [k[0] for k in keys], (), _leaf_shape(flat), means)
 
     # (an op tree is not hashable: its plan is built for the call)
-    plan = _plan(("reduce", op, flat.key), build) if isinstance(op, str) else build()
+    plan = _plan(("reduce", op if isinstance(op, str) else None, flat.key), build)
 
     def pack(buckets: list[_pack.Bucket], parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         return [

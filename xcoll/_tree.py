@@ -52,11 +52,14 @@ class Flat:
     signature: tuple
     devices: tuple[torch.device, ...]
     scalars: tuple[int, ...]
+    #: False when the treespec cannot be hashed (then nothing about it is cached).
+    cacheable: bool = True
 
     @property
-    def key(self) -> tuple:
-        """Equal for trees of the same structure, leaf types, dtypes, shapes and devices."""
-        return (self.treespec, self.signature)
+    def key(self) -> tuple | None:
+        """Equal for trees of the same structure, leaf types, dtypes, shapes and
+        devices; None if it cannot be hashed."""
+        return (self.treespec, self.signature) if self.cacheable else None
 
     def path(self, i: int) -> str:
         """The Python expression that reaches leaf ``i``, e.g. ``tree['preds'][2]``."""
@@ -93,16 +96,22 @@ def flatten(tree: Any) -> Flat:
             for leaf in leaves
         ]
     )
-    known = _checked.get((treespec, signature))
+    try:
+        known = _checked.get((treespec, signature))
+        cacheable = True
+    except TypeError:  # e.g. a defaultdict whose default_factory is unhashable
+        known, cacheable = None, False
     if known is None:
         _check(leaves, treespec)
         scalars = tuple(i for i, s in enumerate(signature) if not isinstance(s, tuple))
         ints = [i for i in scalars if issubclass(signature[i], int) and signature[i] is not bool]
         devices = tuple(dict.fromkeys(s[2] for s in signature if isinstance(s, tuple)))
-        if len(_checked) >= _MAX_CHECKED:
-            _checked.clear()
-        known = _checked[(treespec, signature)] = (ints, devices, scalars)
-    flat = Flat(tree, leaves, treespec, signature, known[1], known[2])
+        known = (ints, devices, scalars)
+        if cacheable:
+            if len(_checked) >= _MAX_CHECKED:
+                _checked.clear()
+            _checked[(treespec, signature)] = known
+    flat = Flat(tree, leaves, treespec, signature, known[1], known[2], cacheable)
     for i in known[0]:
         if not _INT64_MIN <= leaves[i] <= _INT64_MAX:
             raise ValueError(f"{flat.path(i)}: Python int {leaves[i]} does not fit in int64")

@@ -106,7 +106,7 @@ class Backend(ABC):
         """Refuses leaves this engine would change in transit (raises TypeError)."""
 
     def wait(self) -> None:
-        """Waits for the collectives started so far (no-op for lazy backends)."""
+        """Waits for the collectives started so far (lazy backends: nothing to wait for)."""
 
     def sync(self) -> None:
         """Runs everything traced so far (no-op for eager backends)."""

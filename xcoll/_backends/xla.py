@@ -7,8 +7,9 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
   default pads with the replica's ordinal, so replicas compile different graphs.
 * Every collective adds torch_xla's numeric token to its input and derives the
   next token from its result, so a float collective turns -0.0 into +0.0 and a
-  NaN result poisons later ones. The token is reset around each collective
-  here, and xcoll's moves carry integers (see ``_wire``).
+  NaN result poisons later ones. The token is reset before each collective
+  and once after a call's last one (``wait``), and xcoll's moves carry
+  integers (see ``_wire``).
 * ``Tensor.view(dtype)`` is not lowered (it runs on the CPU, outside the graph),
   so bitcasts are built as small XLA computations.
 * XLA:CPU cannot all-reduce bfloat16 (``_wire`` sums half precision in float32).
@@ -55,8 +56,11 @@ _REDUCE_TYPES = {
     "min": xm.REDUCE_MIN,
 }
 
-# Built XLA computations (bitcasts by shape and dtypes, concats by part shapes).
+# Built XLA computations (bitcasts by shape and dtypes, packs, unpacks and splits
+# by the shapes of their parts), bounded like xcoll's plans: shapes that change
+# from step to step must not grow it without end.
 _computations: dict[tuple, object] = {}
+_MAX_COMPUTATIONS = 1024
 _computations_lock = threading.Lock()
 
 
@@ -65,6 +69,8 @@ def _computation(key: tuple, build) -> object:
     with _computations_lock:
         computation = _computations.get(key)
         if computation is None:
+            if len(_computations) >= _MAX_COMPUTATIONS:
+                _computations.clear()
             computation = _computations[key] = build()
     return computation
 
