@@ -146,25 +146,23 @@ def mesh_reduce_broadcast(tree: dict) -> Call:
 
 
 def pack_floor_gather(tree: dict) -> Call:
-    """xcoll's own packing (one XLA node per dtype) and one all_gather per dtype,
-    results fetched in one transfer; no flattening, planning, unpacking or output
-    tensors. What is left of xcoll.gather(to_cpu=True) above this is the work
-    per call that these skip."""
-    import torch_xla.core.xla_model as xm
-
+    """xcoll.gather's own packing (``pack_moves``: one XLA node for every dtype's
+    bucket, on the integer wire) and one all_gather per dtype, results fetched in
+    one transfer; no flattening, planning, unpacking or output tensors. What is
+    left of xcoll.gather(to_cpu=True) above this is the work per call that
+    these skip."""
     from xcoll._backends.xla import XlaBackend
 
     backend = XlaBackend(_device())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for leaf in optree.tree_leaves(tree):
         by_dtype.setdefault(leaf.dtype, []).append(leaf)
-    shapes = {d: tuple(tuple(t.shape) for t in ts) for d, ts in by_dtype.items()}
+    parts = list(by_dtype.values())
+    shapes = [tuple(tuple(t.shape) for t in ts) for ts in parts]
 
     def call():
-        out = [
-            xm.all_gather(backend.concat(ts, shapes[d]), pin_layout=False)
-            for d, ts in by_dtype.items()
-        ]
+        wires = backend.pack_moves(parts, shapes)
+        out = [backend.all_gather(wire) for wire in wires]
         _sync()
         return _fetch(out)
 
