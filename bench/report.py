@@ -176,8 +176,8 @@ device tensors to pack, in 3 dtypes, and {n} host tensors to make.
   and xcoll.gather(to_cpu=True) {ms("gather", "xcoll.gather(to_cpu")}. No method that
   starts from separate leaves does less than (e).
 * **One replica alone** (`python -m bench.profile`, W=1, so no thread competes;
-  measured on 2026-11-29): xcoll 1.28 ms, floor 0.57 ms, ideal 0.32 ms per call
-  at 256 leaves. Of xcoll's extra, cProfile puts 0.31 ms in making the 256 output
+  two runs on 2026-11-29): xcoll 1.28 and 1.54 ms, floor 0.57 and 0.58 ms, ideal
+  0.32 and 0.35 ms per call at 256 leaves. Of xcoll's extra, cProfile puts 0.31 ms in making the 256 output
   tensors on the host (one `_unflatten_dense_tensors` call per dtype: about
   1.2 us per view), 0.13 ms in building the tree's signature (the key of the
   cached checks and plans), 0.08 ms in optree's flatten and 0.07 ms in the cache
@@ -195,7 +195,8 @@ device tensors to pack, in 3 dtypes, and {n} host tensors to make.
   separate runs of xcoll.gather(to_cpu=True) at 256 leaves measured 5.2, 5.7, 7.0,
   8.5, 8.7 and 11.8 ms on 2026-11-29, while (d) stayed between 0.87 and 1.35 ms. A
   process per replica (TPU v4 and later, GPUs) has no GIL to share; there, the
-  single-replica ratios above (4x the ideal, 2.3x the floor) are the better guide.
+  single-replica ratios above (about 4x the ideal, 2-3x the floor) are the
+  better guide.
 
 Device outputs cost more than host outputs at many leaves ({ms("gather", "xcoll.gather (device")}
 against {ms("gather", "xcoll.gather(to_cpu")} here): torch_xla makes one output buffer and
@@ -203,3 +204,7 @@ one tensor per leaf, on every replica, and XLA:CPU compiles such a graph slowly
 the first time (the first-call column). reduce and broadcast always return
 device tensors, so they pay this too.
 """.strip()
+
+
+if __name__ == "__main__":
+    main()

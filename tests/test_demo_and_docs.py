@@ -90,6 +90,18 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     png = (tmp_path / "results.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
+    # python -m bench.report redraws both from results.json
+    (tmp_path / "results.md").unlink()
+    (tmp_path / "results.png").unlink()
+    subprocess.run(
+        [sys.executable, "-m", "bench.report", str(tmp_path)],
+        check=True,
+        timeout=120,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert (tmp_path / "results.md").read_text() == report
+    assert (tmp_path / "results.png").read_bytes().startswith(b"\x89PNG")
+
 
 README = Path(__file__).parent.parent / "README.md"
 
