@@ -73,3 +73,18 @@ def test_a_timeout_kills_and_restarts(pool2):
 def test_per_rank_args_must_match_world_size(pool2):
     with pytest.raises(ValueError, match="3 entries for 2 replicas"):
         pool2.run(_sleep, [0, 0, 0])
+
+
+def _rank1_crashes_natively(_):
+    if xcoll.rank() == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # SIGSEGV, as a crash inside XLA would be
+    return xcoll.rank()
+
+
+def test_a_native_crash_is_reported_with_the_python_stack(pool2):
+    with pytest.raises(PoolCrashed, match="Segmentation fault") as e:
+        pool2.run(_rank1_crashes_natively, [None, None])
+    assert "_rank1_crashes_natively" in str(e.value)  # the crashing thread's stack
+    assert pool2.run(_ranks) == [[0, 1], [0, 1]]

@@ -29,6 +29,7 @@ call starts fresh workers.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -172,11 +173,19 @@ class _SpawnedPool(ReplicaPool):
         self._logs.append(log)
 
     def stderr_tail(self, n: int = 4000) -> str:
+        """The end of each worker's stderr. After a fatal signal, the end of what
+        came before faulthandler's dump (the native library's own message, e.g.
+        XLA's abort) and the start of the dump (the crashing thread first)."""
         tails = []
+        budget = n // max(1, len(self._logs))
         for log in self._logs:
             if os.path.exists(log):
                 with open(log, errors="replace") as f:
-                    tails.append(f.read()[-n // max(1, len(self._logs)) :])
+                    text = f.read()
+                before, fatal, dump = text.partition("Fatal Python error")
+                if fatal:
+                    text = before[-budget // 2 :] + fatal + dump[: budget // 2]
+                tails.append(text[-budget:])
         return "\n".join(tails)
 
     def _crash(self, why: str) -> PoolCrashed:
@@ -415,6 +424,9 @@ def _to_log(log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    # A crash inside a native library (XLA) then leaves every thread's Python
+    # stack in the log, which PoolCrashed quotes.
+    faulthandler.enable(all_threads=True)
 
 
 def _xla_worker(conn, log: str, world_size: int, env: dict[str, str], grace: float) -> None:
