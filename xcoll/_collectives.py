@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _backends, _check, _pack, _tree, _wire
+from . import _backends, _check, _memo, _pack, _tree, _wire
 
 OPS = ("sum", "mean", "max", "min", "prod")
 
@@ -33,7 +33,8 @@ _REFUSED = {
 @dataclass(frozen=True)
 class _Plan:
     """How one kind of call moves one kind of tree (built once per
-    :attr:`_tree.Flat.key` and parameters, then reused)."""
+    :attr:`_tree.Flat.key` and parameters, then reused; building validates the
+    call, so a call that raises leaves nothing behind)."""
 
     buckets: list[_pack.Bucket]
     #: Per bucket: each tensor slot's output shape (before ``finish``), then, if
@@ -43,22 +44,7 @@ class _Plan:
     finishing: frozenset[int] = frozenset()
 
 
-_plans: dict[tuple, _Plan] = {}
-_MAX_PLANS = 1024
-
-
-def _plan(key: tuple, build: Callable[[], _Plan]) -> _Plan:
-    """The plan for ``key``, built on first use. Building validates the call, so a
-    call that raises leaves nothing behind. A key holding None (a tree that
-    cannot be hashed) is built for the call."""
-    if None in key:
-        return build()
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        plan = _plans[key] = build()
-    return plan
+_plans: _memo.Memo[_Plan] = _memo.Memo()
 
 
 def _layout(
@@ -310,7 +296,7 @@ def _gather(tree, *, dim, stack, sync, to_cpu, uneven, max_size, group):
     _check_sync(flat, sync, to_cpu)
     backend = _backends.resolve(flat, group)
     w = backend.world_size()
-    plan = _plan(("gather", dim, stack, w, flat.key), lambda: _gather_plan(flat, dim, stack, w))
+    plan = _plans.get(("gather", dim, stack, w, flat.key), lambda: _gather_plan(flat, dim, stack, w))
     dims = {i: _gather_dim(flat, i, dim, stack) for i in plan.finishing}
 
     def finish(i: int, t: torch.Tensor) -> torch.Tensor:  # (W, *shape) -> (*shape[:d], W, *shape[d:])
@@ -406,8 +392,7 @@ def _reduce(tree: Any, op: Any, sync: bool, group: Any) -> Any:
         means = frozenset(i for i, o in enumerate(ops) if o == "mean")
         return _layout(flat, keys, [k[0] for k in keys], (), _leaf_shape(flat), means)
 
-    # (an op tree is not hashable: its plan is built for the call)
-    plan = _plan(("reduce", op if isinstance(op, str) else None, flat.key), build)
+    plan = _plans.get(("reduce", op, flat.key), build)  # (a dict of ops: built per call)
 
     def pack(buckets: list[_pack.Bucket], parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         return [
@@ -490,7 +475,7 @@ def _broadcast(tree: Any, src: int, sync: bool, group: Any) -> Any:
         dtypes = [_dtype(leaf) for leaf in flat.leaves]
         return _layout(flat, dtypes, dtypes, (), _leaf_shape(flat))
 
-    plan = _plan(("broadcast", flat.key), build)
+    plan = _plans.get(("broadcast", flat.key), build)
 
     out = _run(
         backend,

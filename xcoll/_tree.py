@@ -13,6 +13,8 @@ from typing import Any
 import optree
 import torch
 
+from . import _memo
+
 #: Python scalar leaves travel as these dtypes and come back as Python values.
 SCALAR_DTYPES: dict[type, torch.dtype] = {bool: torch.bool, int: torch.int64, float: torch.float64}
 
@@ -52,14 +54,13 @@ class Flat:
     signature: tuple
     devices: tuple[torch.device, ...]
     scalars: tuple[int, ...]
-    #: False when the treespec cannot be hashed (then nothing about it is cached).
-    cacheable: bool = True
 
     @property
-    def key(self) -> tuple | None:
+    def key(self) -> tuple:
         """Equal for trees of the same structure, leaf types, dtypes, shapes and
-        devices; None if it cannot be hashed."""
-        return (self.treespec, self.signature) if self.cacheable else None
+        devices. (It cannot be hashed if the treespec holds an unhashable
+        object: then caches keyed by it build per call.)"""
+        return (self.treespec, self.signature)
 
     def path(self, i: int) -> str:
         """The Python expression that reaches leaf ``i``, e.g. ``tree['preds'][2]``."""
@@ -72,8 +73,7 @@ class Flat:
 # (treespec, signature) of trees already checked -> (the indices of their Python
 # int leaves, whose range is checked on every call; their tensor devices; the
 # indices of their Python scalars).
-_checked: dict[tuple, tuple[list[int], tuple[torch.device, ...], tuple[int, ...]]] = {}
-_MAX_CHECKED = 1024
+_checked: _memo.Memo[tuple[list[int], tuple[torch.device, ...], tuple[int, ...]]] = _memo.Memo()
 
 
 def flatten(tree: Any) -> Flat:
@@ -96,22 +96,16 @@ def flatten(tree: Any) -> Flat:
             for leaf in leaves
         ]
     )
-    try:
-        known = _checked.get((treespec, signature))
-        cacheable = True
-    except TypeError:  # e.g. a defaultdict whose default_factory is unhashable
-        known, cacheable = None, False
-    if known is None:
+
+    def check() -> tuple[list[int], tuple[torch.device, ...], tuple[int, ...]]:
         _check(leaves, treespec)
         scalars = tuple(i for i, s in enumerate(signature) if not isinstance(s, tuple))
         ints = [i for i in scalars if issubclass(signature[i], int) and signature[i] is not bool]
         devices = tuple(dict.fromkeys(s[2] for s in signature if isinstance(s, tuple)))
-        known = (ints, devices, scalars)
-        if cacheable:
-            if len(_checked) >= _MAX_CHECKED:
-                _checked.clear()
-            _checked[(treespec, signature)] = known
-    flat = Flat(tree, leaves, treespec, signature, known[1], known[2], cacheable)
+        return ints, devices, scalars
+
+    known = _checked.get((treespec, signature), check)
+    flat = Flat(tree, leaves, treespec, signature, known[1], known[2])
     for i in known[0]:
         if not _INT64_MIN <= leaves[i] <= _INT64_MAX:
             raise ValueError(f"{flat.path(i)}: Python int {leaves[i]} does not fit in int64")

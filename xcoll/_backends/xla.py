@@ -33,7 +33,7 @@ import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from .. import _pack, _tree, _wire
+from .. import _memo, _pack, _tree, _wire
 from . import Backend
 
 SYNC_LOCK = threading.Lock()
@@ -57,22 +57,8 @@ _REDUCE_TYPES = {
 }
 
 # Built XLA computations (bitcasts by shape and dtypes, packs, unpacks and splits
-# by the shapes of their parts), bounded like xcoll's plans: shapes that change
-# from step to step must not grow it without end.
-_computations: dict[tuple, object] = {}
-_MAX_COMPUTATIONS = 1024
-_computations_lock = threading.Lock()
-
-
-def _computation(key: tuple, build) -> object:
-    """The XLA computation for ``key``, built once (by any replica thread)."""
-    with _computations_lock:
-        computation = _computations.get(key)
-        if computation is None:
-            if len(_computations) >= _MAX_COMPUTATIONS:
-                _computations.clear()
-            computation = _computations[key] = build()
-    return computation
+# by the shapes of their parts), each built by one replica thread.
+_computations: _memo.Memo[object] = _memo.Memo(locked=True)
 
 
 def _wait(device: torch.device) -> None:
@@ -153,7 +139,7 @@ class XlaBackend(Backend):
         return xr.world_size()
 
     def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        computation = _computation(
+        computation = _computations.get(
             ("bitcast", tuple(t.shape), t.dtype, dtype),
             lambda: xb.create_computation(
                 "xcoll_bitcast", lambda p: p.bitcast(_XLA_TYPES[dtype]), [xb.tensor_shape(t)]
@@ -172,7 +158,7 @@ class XlaBackend(Backend):
                 [q.reshape([_pack.numel(s)]) for q, s in zip(params, shapes)], 0
             )
 
-        computation = _computation(
+        computation = _computations.get(
             ("concat", parts[0].dtype, tuple(shapes)),
             lambda: xb.create_computation(
                 "xcoll_concat", join, [xb.tensor_shape(p) for p in parts]
@@ -210,7 +196,7 @@ class XlaBackend(Backend):
 
         key = ("pack_moves", tuple(dtypes), tuple(tuple(s) for s in shapes))
         return list(
-            torch_xla._XLAC._xla_user_computation("xla::xcoll_pack", flat, _computation(key, build))
+            torch_xla._XLAC._xla_user_computation("xla::xcoll_pack", flat, _computations.get(key, build))
         )
 
     def unpack_moves(
@@ -247,7 +233,7 @@ class XlaBackend(Backend):
         key = ("unpack_moves", tuple(dtypes), tuple(tuple(n) for n in sizes), world)
         return list(
             torch_xla._XLAC._xla_user_computation(
-                "xla::xcoll_unpack", list(results), _computation(key, build)
+                "xla::xcoll_unpack", list(results), _computations.get(key, build)
             )
         )
 
@@ -272,7 +258,7 @@ class XlaBackend(Backend):
         key = ("split", tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes))
         pieces = iter(
             torch_xla._XLAC._xla_user_computation(
-                "xla::xcoll_split", list(flats), _computation(key, build)
+                "xla::xcoll_split", list(flats), _computations.get(key, build)
             )
         )
         return [[next(pieces) for _ in bucket_shapes] for bucket_shapes in shapes]
