@@ -109,6 +109,9 @@ def test_refused_arguments():
         xcoll.gather({"x": torch.ones(2)}, max_size=1)
     with pytest.raises(ValueError, match=r"tree\['s'\]"):
         xcoll.gather({"s": torch.tensor(1.0)}, uneven=True)
+    with xcoll.consistency_checks("always"):  # the check describes it with the same error
+        with pytest.raises(ValueError, match=r"tree\['s'\].*uneven gathers need a dim"):
+            xcoll.gather({"s": torch.tensor(1.0)}, uneven=True)
 
 
 # ---- compile and execution counts on XLA ---------------------------------------------

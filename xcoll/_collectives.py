@@ -73,12 +73,11 @@ def _check_sync(flat: _tree.Flat, sync: bool, to_cpu: bool = False) -> None:
         return
     if to_cpu:
         raise ValueError("to_cpu=True needs sync=True: host values exist only after execution")
-    for i, leaf in enumerate(flat.leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise ValueError(
-                f"{flat.path(i)}: a Python scalar leaf needs sync=True (its value is known "
-                "only after execution); pass a tensor to trace it into the pending graph"
-            )
+    if flat.scalars:
+        raise ValueError(
+            f"{flat.path(flat.scalars[0])}: a Python scalar leaf needs sync=True (its value is "
+            "known only after execution); pass a tensor to trace it into the pending graph"
+        )
 
 
 def _run(
@@ -266,12 +265,10 @@ def _describe_gather(tree, dim, stack, uneven, max_size, group) -> list[str]:
     flat = _tree.flatten(tree)
     _backends.resolve(flat, group)  # device errors are shared like the others
     if uneven or max_size is not None:
+        from . import _uneven
+
         # only the growing dim may differ between replicas
-        dims = {
-            i: dim % max(leaf.dim(), 1)
-            for i, leaf in enumerate(flat.leaves)
-            if isinstance(leaf, torch.Tensor)
-        }
+        dims = _uneven.growing_dims(flat, dim)
         return [*_check.describe_tree(flat, dims), str(flat.treespec)]
     for i, leaf in enumerate(flat.leaves):
         if isinstance(leaf, torch.Tensor):

@@ -34,19 +34,29 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return out
 
 
-def gather(tree: Any, *, dim: int, max_size: int | None, to_cpu: bool, group: Any) -> Any:
-    flat = _tree.flatten(tree)
-    backend = _backends.resolve(flat, group)
-    idx = [i for i, leaf in enumerate(flat.leaves) if isinstance(leaf, torch.Tensor)]
+def growing_dims(flat: _tree.Flat, dim: int) -> dict[int, int]:
+    """Each tensor leaf's index -> the dim along which it may differ between
+    replicas (``dim``, normalised). Raises ValueError naming a leaf that has no
+    such dim (a 0-d leaf, or ``dim`` out of range)."""
     dims = {}
-    for i in idx:
-        nd = flat.leaves[i].dim()
+    for i, leaf in enumerate(flat.leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        nd = leaf.dim()
         if nd == 0 or not -nd <= dim < nd:
             raise ValueError(
                 f"{flat.path(i)}: dim={dim} is out of range for a leaf of shape "
-                f"{tuple(flat.leaves[i].shape)} (uneven gathers need a dim to grow)"
+                f"{tuple(leaf.shape)} (uneven gathers need a dim to grow)"
             )
         dims[i] = dim % nd
+    return dims
+
+
+def gather(tree: Any, *, dim: int, max_size: int | None, to_cpu: bool, group: Any) -> Any:
+    flat = _tree.flatten(tree)
+    backend = _backends.resolve(flat, group)
+    dims = growing_dims(flat, dim)
+    idx = list(dims)
     # The caller's pending work runs first, on its own: here it typically has
     # shapes that differ between replicas, and in the graph of a collective that
     # would give every replica a different program. (Nothing pending: no execution.)
