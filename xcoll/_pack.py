@@ -43,15 +43,11 @@ class Bucket:
         slots.append(slot)
         self.size += slot.numel
 
-    @property
-    def slots(self) -> list[Slot]:
-        return self.tensors + self.scalars
-
     # Read on every call of a cached plan (buckets are not changed once planned).
     @functools.cached_property
     def sizes(self) -> list[int]:
-        """Each tensor slot's number of elements, then the scalar block's."""
-        return [s.numel for s in self.tensors] + [len(self.scalars)]
+        """Each tensor slot's number of elements, then the scalar block's (if any)."""
+        return [s.numel for s in self.tensors] + ([len(self.scalars)] if self.scalars else [])
 
     @functools.cached_property
     def part_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -172,8 +168,8 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def concat(parts: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]] = ()) -> torch.Tensor:
-    """``parts`` (of ``shapes``) flattened and concatenated into one new 1-d tensor."""
+def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` flattened and concatenated into one new 1-d tensor."""
     return torch.cat([p.reshape(-1) for p in parts])
 
 

@@ -15,9 +15,6 @@ import torch
 
 from . import _memo
 
-#: Python scalar leaves travel as these dtypes and come back as Python values.
-SCALAR_DTYPES: dict[type, torch.dtype] = {bool: torch.bool, int: torch.int64, float: torch.float64}
-
 #: Tensor dtypes every backend can move exactly. (Complex and the unsigned
 #: 16/32/64-bit types are refused rather than half supported.)
 SUPPORTED_DTYPES = frozenset(

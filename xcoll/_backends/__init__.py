@@ -46,7 +46,7 @@ class Backend(ABC):
         """``parts`` (of ``shapes``) flattened and joined into one new 1-d tensor."""
         from .._pack import concat
 
-        return concat(parts, shapes)
+        return concat(parts)
 
     def pack_moves(
         self, parts: Sequence[Sequence[torch.Tensor]], shapes: Sequence[Sequence[tuple[int, ...]]]
