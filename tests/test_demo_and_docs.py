@@ -57,7 +57,7 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     assert set(cells) == expected
     for c in cells.values():
         assert math.isfinite(c["median_ms"]) and c["median_ms"] > 0
-        assert math.isfinite(c["first_ms"]) and c["first_ms"] >= c["median_ms"] / 10
+        assert math.isfinite(c["first_ms"]) and c["first_ms"] > 0
         assert c["collectives"] > 0
         if c["backend"].startswith("XLA"):
             assert c["executions"] >= 1 and c["compiles"] == 0  # warm: nothing recompiles
@@ -75,7 +75,8 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
         ("broadcast", "xcoll.broadcast"),
     ]:
         assert count(x, op, method, 64) == 3
-        assert count(x, op, method, 64, "executions") == 1
+        for n in (1, 8, 64):
+            assert count(x, op, method, n, "executions") == 1
     assert count(x, "gather", "xcoll.gather(to_cpu=True)", 64, "transfers") == 1
     assert count(x, "gather", "xcoll.gather (device outputs)", 64, "transfers") == 0
     assert count(x, "gather", next(m for m in xla.METHODS["gather"] if m.startswith("(a)")), 64) == 64
