@@ -81,9 +81,7 @@ def markdown(results: dict) -> str:
     rows = _targets(cells)
     if rows:
         out += ["## Targets at 256 leaves", "", "| target | measured | met |", "|---|---:|---|"]
-        out += rows + [""]
-    if rows:  # (the analysis is of the 256-leaf cells)
-        out += [_analysis(cells), ""]
+        out += rows + ["", _analysis(cells), ""]  # (the analysis is of those cells)
     for (backend, op), panel in _panels(cells).items():
         xla = backend.startswith("XLA")
         out += [f"## {backend}: {op}", ""]

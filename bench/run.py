@@ -86,7 +86,6 @@ class Runner:
                 self.crashes.append(f"{args}: {str(e).splitlines()[0]}")
                 if attempt == 2:
                     raise
-        raise AssertionError("unreachable")
 
 
 def _cells(runner: Runner, pool, backend: str, methods: dict, cell, log, counters=None):
