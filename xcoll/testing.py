@@ -175,7 +175,7 @@ class _SpawnedPool(ReplicaPool):
     def stderr_tail(self, n: int = 4000) -> str:
         """The end of each worker's stderr. After a fatal signal, the end of what
         came before faulthandler's dump (the native library's own message, e.g.
-        XLA's abort) and the start of the dump (the crashing thread first)."""
+        XLA's abort) and the start of the dump (every thread's stack)."""
         tails = []
         budget = n // max(1, len(self._logs))
         for log in self._logs:

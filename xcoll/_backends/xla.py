@@ -82,6 +82,11 @@ def sync(device: torch.device | None = None) -> None:
     _wait(device)
 
 
+def _join(ops, shapes):
+    """``ops`` (of ``shapes``) flattened and concatenated, in an XLA computation."""
+    return xb.Op.concat_in_dim([q.reshape([_pack.numel(s)]) for q, s in zip(ops, shapes)], 0)
+
+
 def _encode(op, dtype: torch.dtype):
     """_wire.encode_move in an XLA computation."""
     if dtype == torch.bool:
@@ -153,15 +158,10 @@ class XlaBackend(Backend):
         # One small XLA computation per list of shapes: one node in the traced
         # graph instead of a reshape per leaf and a cat (10x less tracing at 256
         # leaves, measured: 0.12 ms against 1.25 ms).
-        def join(*params):
-            return xb.Op.concat_in_dim(
-                [q.reshape([_pack.numel(s)]) for q, s in zip(params, shapes)], 0
-            )
-
         computation = _computations.get(
             ("concat", parts[0].dtype, tuple(shapes)),
             lambda: xb.create_computation(
-                "xcoll_concat", join, [xb.tensor_shape(p) for p in parts]
+                "xcoll_concat", lambda *ps: _join(ps, shapes), [xb.tensor_shape(p) for p in parts]
             ),
         )
         return torch_xla._XLAC._xla_user_computation("xla::xcoll_concat", list(parts), computation)[
@@ -186,10 +186,7 @@ class XlaBackend(Backend):
                 for dtype, bucket_shapes in zip(dtypes, shapes):
                     ops = params[at : at + len(bucket_shapes)]
                     at += len(bucket_shapes)
-                    joined = xb.Op.concat_in_dim(
-                        [q.reshape([_pack.numel(s)]) for q, s in zip(ops, bucket_shapes)], 0
-                    )
-                    wires.append(_encode(joined, dtype))
+                    wires.append(_encode(_join(ops, bucket_shapes), dtype))
                 return xb.Op.tuple(wires)
 
             return xb.create_computation("xcoll_pack", pack, [xb.tensor_shape(t) for t in flat])
