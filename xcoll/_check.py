@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -72,6 +73,16 @@ def describe_tree(flat: _tree.Flat, uneven_dims: dict[int, int] | None = None) -
             what = f"Python {type(leaf).__name__}"
         lines.append(f"{flat.path(i)}: {what}")
     return lines
+
+
+def describe_structure(flat: _tree.Flat) -> str:
+    """The tree's structure, as every replica prints it: object addresses in
+    node data (a defaultdict's lambda factory) differ between processes and
+    are left out."""
+    return _ADDRESS.sub("", str(flat.treespec))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 @contextlib.contextmanager

@@ -269,11 +269,11 @@ def _describe_gather(tree, dim, stack, uneven, max_size, group) -> list[str]:
 
         # only the growing dim may differ between replicas
         dims = _uneven.growing_dims(flat, dim)
-        return [*_check.describe_tree(flat, dims), str(flat.treespec)]
+        return [*_check.describe_tree(flat, dims), _check.describe_structure(flat)]
     for i, leaf in enumerate(flat.leaves):
         if isinstance(leaf, torch.Tensor):
             _gather_dim(flat, i, dim, stack)
-    return [*_check.describe_tree(flat), str(flat.treespec)]
+    return [*_check.describe_tree(flat), _check.describe_structure(flat)]
 
 
 def _gather(tree, *, dim, stack, sync, to_cpu, uneven, max_size, group):
@@ -344,7 +344,7 @@ def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) 
         return [
             f"sync={sync}",
             *(f"{line} op={o}" for line, o in zip(lines, ops)),
-            str(flat.treespec),
+            _check.describe_structure(flat),
         ]
 
     with _check.outermost() as outer:
@@ -447,7 +447,7 @@ def broadcast(tree: Any, *, src: int = 0, sync: bool = True, group: Any = None) 
 
     def describe() -> list[str]:
         flat, _ = _broadcast_plan(tree, src, sync, group)
-        return [f"src={src} sync={sync}", *_check.describe_tree(flat), str(flat.treespec)]
+        return [f"src={src} sync={sync}", *_check.describe_tree(flat), _check.describe_structure(flat)]
 
     with _check.outermost() as outer:
         if outer:
