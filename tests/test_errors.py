@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import device
+from tests.replicas import device, to_cpu
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -123,13 +123,34 @@ class _Factory:
     __hash__ = None
 
 
-def test_tree_with_an_unhashable_treespec():
+def _unhashable(_):
     from collections import defaultdict
 
-    tree = defaultdict(_Factory(), {"a": torch.tensor([1.0, -0.0]), "n": 3})
+    r, w = xcoll.rank(), xcoll.world_size()
+    out = []
     for _ in range(2):  # (the second call would hit the caches)
-        assert torch.equal(xcoll.gather(tree)["a"], tree["a"])
-        assert xcoll.reduce(tree, "max")["n"] == 3
-        assert xcoll.broadcast(tree)["n"] == 3
+        tree = defaultdict(_Factory(), {"a": torch.tensor([1.0 + r, -0.0]).to(device()), "n": r})
+        g = xcoll.gather(tree, to_cpu=True)
+        m = xcoll.reduce(tree, "max")
+        b = xcoll.broadcast(tree, src=w - 1)
+        out.append((type(g), g["a"], g["n"], to_cpu(m["a"]), m["n"], to_cpu(b["a"]), b["n"]))
+    return out
+
+
+def test_tree_with_an_unhashable_treespec(pool):
+    w = pool.world_size
+    gathered = torch.tensor([v for r in range(w) for v in (1.0 + r, -0.0)])
+    last = torch.tensor([float(w), -0.0])
+    for calls in pool.run(_unhashable, [None] * w):  # every replica
+        for kind, g, n, m, m_n, b, b_n in calls:
+            assert kind.__name__ == "defaultdict"
+            assert torch.equal(g, gathered) and torch.equal(g.signbit(), gathered.signbit())
+            assert n == list(range(w))
+            assert torch.equal(m, last) and bool(m[1].signbit())
+            assert m_n == w - 1
+            assert torch.equal(b, last) and bool(b[1].signbit())
+            assert b_n == w - 1
     with pytest.raises(ValueError, match=r"tree\['n'\]: Python int"):
+        from collections import defaultdict
+
         xcoll.gather(defaultdict(_Factory(), {"n": 2**63}))
