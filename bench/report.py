@@ -142,7 +142,7 @@ def plot(results: dict, path: Path) -> None:
             for method in dict.fromkeys(c["method"] for c in panel):
                 line = sorted((c["leaves"], c["median_ms"]) for c in panel if c["method"] == method)
                 style = "-" if method.startswith("xcoll") else "--"
-                ax.plot(*zip(*line), style, marker="o", label=method.split(", ")[0])
+                ax.plot(*zip(*line, strict=True), style, marker="o", label=method.split(", ")[0])
             ax.set(xscale="log", yscale="log", title=f"{backend}: {op}", xlabel="leaves")
             ax.set_ylabel("ms per call (median)")
             ax.grid(True, which="both", alpha=0.3)

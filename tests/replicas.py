@@ -1,4 +1,8 @@
-"""Helpers that run inside a replica (or inline, for a world of one)."""
+"""The session's replica pools, and helpers that run inside a replica (or
+inline, for a world of one).
+
+(What the tests share in the test process is in tests/helpers.py.)
+"""
 
 from __future__ import annotations
 
@@ -9,28 +13,7 @@ import pytest
 import torch
 
 from xcoll import _backends
-from xcoll.testing import GlooPool, ReplicaPool, XlaPool
-
-
-class InlinePool(ReplicaPool):
-    """A world of one, run in the calling process with no collectives engine."""
-
-    world_size = 1
-    device_type = "cpu"
-
-    def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
-        from xcoll.testing import ReplicaError, _failure
-
-        try:
-            return [fn() if per_rank_args is None else fn(per_rank_args[0])]
-        except Exception as e:
-            if return_exceptions:
-                return [_failure(0, e)]
-            raise ReplicaError({0: _failure(0, e)}) from e
-
-    def close(self):
-        pass
-
+from xcoll.testing import GlooPool, LocalPool, ReplicaPool, XlaPool, xla_counters
 
 _pools: dict[str, ReplicaPool] = {}
 
@@ -51,7 +34,7 @@ def close_pools() -> None:
 
 def _make(name: str) -> ReplicaPool:
     if name == "local-1":
-        return InlinePool()
+        return LocalPool()
     if name == "xla-tpu":
         if os.environ.get("PJRT_DEVICE") != "TPU":
             pytest.skip("tpu: no TPU here (set PJRT_DEVICE=TPU on a TPU host to run)")
@@ -61,7 +44,7 @@ def _make(name: str) -> ReplicaPool:
 
 
 def device() -> torch.device:
-    if _backends._xla_runtime_running():
+    if _backends.xla_runtime_running():
         import torch_xla
 
         return torch_xla.device()
@@ -99,3 +82,14 @@ def to_cpu(tree):
 
 def devices(tree):
     return [x.device.type for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def counters() -> dict[str, int]:
+    """:func:`xcoll.testing.xla_counters` and the device-to-host transfers, on an
+    XLA replica (process-wide: in an XlaPool, all replicas together)."""
+    import torch_xla.debug.metrics as met
+
+    c = xla_counters()
+    data = met.metric_data("TransferFromDeviceTime")
+    c["transfers_from_device"] = int(data[0]) if data else 0
+    return c

@@ -10,21 +10,11 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import device
-from xcoll.testing import xla_counters
+from tests.replicas import counters, device
 
 N_LEAVES = 64
 # One replica's persistent state between pool.run calls, by rank.
 _STATE: dict[int, dict] = {}
-
-
-def _counters() -> dict[str, int]:
-    import torch_xla.debug.metrics as met
-
-    c = xla_counters()
-    data = met.metric_data("TransferFromDeviceTime")
-    c["transfers_from_device"] = int(data[0]) if data else 0
-    return c
 
 
 def make_tree(rank: int, n: int, width: int) -> dict:
@@ -125,9 +115,9 @@ CALLS = [
 
 def _delta(pool, fn, args=None, results=None):
     """The change in the pool's counters while every replica runs ``fn(args)``."""
-    before = pool.run(_counters)[0]
+    before = pool.run(counters)[0]
     out = pool.run(fn, [args] * pool.world_size)
-    after = pool.run(_counters)[0]
+    after = pool.run(counters)[0]
     if results is not None:
         results.extend(out)
     return {k: after[k] - before[k] for k in before}

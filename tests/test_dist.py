@@ -14,8 +14,8 @@ from hypothesis import given
 
 import xcoll
 from tests import strategies as S
+from tests.helpers import PROPERTY, assert_trees, same_bits, same_values
 from tests.replicas import device, shared_pool, to_cpu, to_device
-from tests.test_properties import PROPERTY, assert_trees, same_bits, same_values
 from xcoll.testing import GlooPool
 
 _pools: dict[int, GlooPool] = {}
@@ -192,7 +192,7 @@ def test_same_results_on_xla_and_gloo(data):
         shared_pool("xla-cpu-2").run(_all_ops, args),
         shared_pool("gloo-2").run(_all_ops, args),
     )
-    for a, b in zip(on_xla, on_gloo):
+    for a, b in zip(on_xla, on_gloo, strict=True):
         assert_trees(a["gather"], b["gather"], same_bits, "gather")
         assert_trees(a["broadcast"], b["broadcast"], same_bits, "broadcast")
         assert_trees(a["reduce"], b["reduce"], same_bits, f"reduce {op}")

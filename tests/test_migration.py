@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import xcoll
+from tests.helpers import assert_trees, same_values
 from tests.replicas import device, shared_pool, to_cpu
-from tests.test_properties import assert_trees, same_values
 
 DOC = Path(__file__).parent.parent / "docs" / "migration.md"
 BLOCK = re.compile(r"<!-- (before: [^>]*|after) -->\n```python\n(.*?)```", re.S)
@@ -90,5 +90,5 @@ def test_before_runs_and_gives_what_after_gives(title):
         return
     if "sorted" in marker:
         theirs = [t.sort().values for t in theirs]
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert_trees(a, b, same_values, title)

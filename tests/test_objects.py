@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 
 import xcoll
-from tests.test_properties import PROPERTY
+from tests.helpers import PROPERTY, same_bits
 
 FLOATS = (
     st.floats()
@@ -44,25 +44,12 @@ OBJECTS = st.recursive(
 )
 
 
-def same(a, b) -> bool:
-    """Equal values of the same types, floats bit for bit."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return struct.pack(">d", a) == struct.pack(">d", b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(map(same, a, b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    return a == b
-
-
 # ---- the codec ---------------------------------------------------------------
 
 
 @given(OBJECTS)
 def test_codec_round_trip_is_exact(obj):
-    assert same(xcoll.decode_object(xcoll.encode_object(obj)), obj)
+    assert same_bits(xcoll.decode_object(xcoll.encode_object(obj)), obj)
 
 
 class Thing:
@@ -150,10 +137,10 @@ def test_gather_and_broadcast_objects(pool, data):
     w = pool.world_size
     objs = data.draw(st.lists(OBJECTS, min_size=w, max_size=w), "objs")
     for got in pool.run(_gather_object, [objs] * w):
-        assert same(got, objs)
+        assert same_bits(got, objs)
     src = data.draw(st.integers(0, w - 1), "src")
     for got in pool.run(_broadcast_object, [(objs, src)] * w):
-        assert same(got, objs[src])
+        assert same_bits(got, objs[src])
 
 
 def _one_bad(which):

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import device
-from tests.test_counters import _counters
+from tests.replicas import counters, device
 
 
 def _sync_then_draw(src):
@@ -65,9 +64,9 @@ def _sync(_):
 def test_one_execution_per_replica_on_xla(xla4):
     w = xla4.world_size
     xla4.run(_sync, [None] * w)  # compile
-    before = xla4.run(_counters)[0]
+    before = xla4.run(counters)[0]
     xla4.run(_sync, [None] * w)
-    after = xla4.run(_counters)[0]
+    after = xla4.run(counters)[0]
     assert after["executions"] - before["executions"] == w
     assert after["compiles"] - before["compiles"] == 0
 

@@ -11,8 +11,8 @@ from hypothesis import given
 from torch.utils.data import DistributedSampler
 
 import xcoll
+from tests.helpers import PROPERTY
 from tests.replicas import device
-from tests.test_properties import PROPERTY
 
 
 def value(index: torch.Tensor) -> torch.Tensor:

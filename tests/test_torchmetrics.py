@@ -3,6 +3,7 @@ equal the same metrics computed in one process over the whole dataset."""
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -48,6 +49,7 @@ def _count_gathers():
         if not getattr(xcoll.gather, "counting", False):
             real = xcoll.gather
 
+            @functools.wraps(real)
             def counting(*args, **kwargs):
                 _counts.calls = getattr(_counts, "calls", 0) + 1
                 return real(*args, **kwargs)

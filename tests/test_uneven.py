@@ -10,9 +10,8 @@ import torch
 from hypothesis import given
 
 import xcoll
-from tests.replicas import device, to_cpu, to_device
-from tests.test_counters import _counters
-from tests.test_properties import PROPERTY, assert_trees, same_bits
+from tests.helpers import PROPERTY, assert_trees, same_bits
+from tests.replicas import counters, device, to_cpu, to_device
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 
@@ -133,9 +132,9 @@ def test_compiles_stay_within_the_size_buckets(xla4):
     w = xla4.world_size
     rng = random.Random(0)
     calls = [[rng.randint(0, 64) for _ in range(w)] for _ in range(50)]
-    before = xla4.run(_counters)[0]
+    before = xla4.run(counters)[0]
     xla4.run(_calls, [(calls, None)] * w)
-    after = xla4.run(_counters)[0]
+    after = xla4.run(counters)[0]
     # one graph for the shape exchange, at most one per size bucket for the data
     assert after["compiles"] - before["compiles"] <= 1 + SIZE_BUCKETS
     assert after["executions"] - before["executions"] <= 2 * 50 * w
@@ -146,8 +145,8 @@ def test_max_size_is_one_execution_per_replica(xla4):
     rng = random.Random(1)
     calls = [[rng.randint(0, 16) for _ in range(w)] for _ in range(10)]
     xla4.run(_calls, [(calls[:1], 16)] * w)  # compile
-    before = xla4.run(_counters)[0]
+    before = xla4.run(counters)[0]
     xla4.run(_calls, [(calls, 16)] * w)
-    after = xla4.run(_counters)[0]
+    after = xla4.run(counters)[0]
     assert after["executions"] - before["executions"] == 10 * w
     assert after["compiles"] - before["compiles"] == 0

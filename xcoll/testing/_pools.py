@@ -1,72 +1,20 @@
-"""Run distributed code on W real replicas from an ordinary pytest process.
-
-A pool is started once and reused for many calls, so property-based tests can
-draw thousands of examples in the test process and run each on real replicas::
-
-    from xcoll.testing import XlaPool
-
-    def total(x):                 # runs on every replica, in its own thread
-        import torch, torch_xla, xcoll
-        return xcoll.reduce(torch.tensor(x).to(torch_xla.device())).item()
-
-    if __name__ == "__main__":  # the pool's worker imports this module
-        with XlaPool(4) as pool:
-            assert pool.run(total, [1, 2, 3, 4]) == [10, 10, 10, 10]
-
-Functions and arguments travel to the pool's worker process by reference/pickle
-(they must be importable module-level functions and picklable values); results
-come back the same way, so return CPU values. This is the test driver talking to
-the child it started, not data exchanged between replicas: xcoll's collectives
-never pickle.
-
-Two pools: :class:`XlaPool` (W XLA replicas, one thread per device in one
-worker process) and :class:`GlooPool` (W torch.distributed processes with the gloo
-backend). A replica that hangs, or a worker that aborts, becomes an exception in
-the caller within the timeout, with the tail of the workers' stderr; the next
-call starts fresh workers.
-"""
+"""The pools, as the calling process sees them: start workers, send them calls,
+collect what the replicas returned, and turn hangs and crashes into exceptions."""
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
-import queue
 import socket
 import tempfile
-import threading
 import time
-import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "ReplicaPool",
-    "XlaPool",
-    "GlooPool",
-    "RemoteFailure",
-    "ReplicaError",
-    "PoolCrashed",
-    "xla_cpu_env",
-    "xla_counters",
-]
-
-
-@dataclass(frozen=True)
-class RemoteFailure:
-    """What a replica raised (or that it never returned)."""
-
-    rank: int
-    type_name: str  # qualified name of the exception type, e.g. "builtins.TypeError"
-    message: str
-    traceback: str
-
-    def __str__(self) -> str:
-        return f"rank {self.rank}: {self.type_name}: {self.message}"
+from xcoll.testing._remote import RemoteFailure, _failure, _Results, _task
+from xcoll.testing._workers import _gloo_worker, _xla_worker
 
 
 class ReplicaError(RuntimeError):
@@ -122,6 +70,33 @@ class ReplicaPool(ABC):
         self.close()
 
 
+class LocalPool(ReplicaPool):
+    """A world of one, run inline in the calling process with no collectives
+    engine: ``fn`` sees what xcoll does in a single process (rank 0 of 1, CPU
+    tensors). Nothing is pickled, and ``timeout`` is ignored.
+
+    >>> from xcoll.testing import LocalPool
+    >>> LocalPool().run(abs, [-3])
+    [3]
+    >>> LocalPool().run(int, ["x"], return_exceptions=True)[0].type_name
+    'builtins.ValueError'
+    """
+
+    world_size = 1
+    device_type = "cpu"
+
+    def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
+        try:
+            return [fn() if per_rank_args is None else fn(per_rank_args[0])]
+        except Exception as e:
+            if return_exceptions:
+                return [_failure(0, e)]
+            raise ReplicaError({0: _failure(0, e)}) from e
+
+    def close(self) -> None:
+        pass
+
+
 def xla_cpu_env(world_size: int) -> dict[str, str]:
     """The environment under which W XLA:CPU replicas can run collectives in one
     process (measured; see docs/design.md): W CPU devices, the asynchronous
@@ -160,7 +135,8 @@ class _SpawnedPool(ReplicaPool):
         self._logs: list[str] = []
 
     def _spawn(self, target: Callable[..., None], *args: Any) -> None:
-        """Starts one worker: ``target(conn, log, *args)``."""
+        """Starts one worker: ``target(conn, log, *args)``, a module-level function
+        of :mod:`xcoll.testing._workers` (spawn pickles it by reference)."""
         ctx = multiprocessing.get_context("spawn")
         fd, log = tempfile.mkstemp(prefix="xcoll-pool-", suffix=".log")
         os.close(fd)
@@ -215,13 +191,13 @@ class _SpawnedPool(ReplicaPool):
 
     def close(self, kill: bool = False) -> None:
         """Stops the workers (at once with ``kill=True``, else after their current call)."""
-        for proc, conn in zip(self._procs, self._conns):
+        for proc, conn in zip(self._procs, self._conns, strict=True):
             if proc.is_alive() and not kill:
                 try:
                     conn.send(None)
                 except OSError:
                     pass
-        for proc, conn in zip(self._procs, self._conns):
+        for proc, conn in zip(self._procs, self._conns, strict=True):
             if not kill:
                 proc.join(5)
             if proc.is_alive():
@@ -348,145 +324,3 @@ class GlooPool(_SpawnedPool):
 
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", repr(fn))
-
-
-def _failure(rank: int, e: BaseException) -> RemoteFailure:
-    t = type(e)
-    return RemoteFailure(rank, f"{t.__module__}.{t.__qualname__}", str(e), traceback.format_exc())
-
-
-def _task(fn: Callable[..., Any], per_rank_args: Sequence[Any] | None, rank: int) -> tuple:
-    """What one replica runs: ``fn(per_rank_args[rank])``, or ``fn()``."""
-    return (fn, per_rank_args is not None, None if per_rank_args is None else per_rank_args[rank])
-
-
-def _call(rank: int, task: tuple) -> tuple[int, bool, Any]:
-    """Runs a task on this replica: ``(rank, True, result)`` or ``(rank, False, failure)``."""
-    fn, has_arg, arg = task
-    try:
-        return rank, True, fn(arg) if has_arg else fn()
-    except BaseException as e:  # noqa: BLE001 - reported to the caller
-        return rank, False, _failure(rank, e)
-
-
-class _Results:
-    """One call's per-rank results. After the first failure the others get
-    ``grace`` seconds: they may be waiting forever in a collective that the
-    failed rank never reached, so they are reported instead of waited for."""
-
-    def __init__(self, world_size: int, grace: float):
-        self.world_size, self.grace = world_size, grace
-        self.by_rank: dict[int, tuple[bool, Any]] = {}
-        self.grace_ends: float | None = None
-
-    def add(self, rank: int, ok: bool, value: Any) -> None:
-        self.by_rank[rank] = (ok, value)
-        if not ok and self.grace_ends is None:
-            self.grace_ends = time.monotonic() + self.grace
-
-    def done(self) -> bool:
-        return len(self.by_rank) == self.world_size or (
-            self.grace_ends is not None and time.monotonic() >= self.grace_ends
-        )
-
-    def wait_time(self, deadline: float | None = None) -> float | None:
-        ends = [t for t in (deadline, self.grace_ends) if t is not None]
-        return max(0.0, min(ends) - time.monotonic()) if ends else None
-
-    def finish(self) -> tuple[bool, list[tuple[bool, Any]]]:
-        """(whether every rank returned, ``[(ok, value)]`` in rank order)."""
-        complete = len(self.by_rank) == self.world_size
-        failed = sorted(r for r, (ok, _) in self.by_rank.items() if not ok)
-        for r in range(self.world_size):
-            if r not in self.by_rank:
-                why = (
-                    f"did not return within {self.grace:.0f} s after rank(s) {failed} failed "
-                    "(probably waiting in a collective they never reached)"
-                )
-                self.by_rank[r] = (False, RemoteFailure(r, "xcoll.testing.DidNotReturn", why, ""))
-        return complete, [self.by_rank[r] for r in range(self.world_size)]
-
-
-def _replica(device: Any, inbox: queue.Queue, outbox: queue.Queue) -> None:
-    """One replica's thread: it is the replica's main thread for every call."""
-    import torch_xla
-    import torch_xla.runtime as xr
-    from torch_xla import runtime
-
-    torch_xla._XLAC._xla_set_default_device(device)
-    runtime._init_world_size_ordinal()
-    rank = xr.global_ordinal()
-    while (task := inbox.get()) is not None:
-        outbox.put(_call(rank, task))
-
-
-def _to_log(log: str) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    # A crash inside a native library (XLA) then leaves every thread's Python
-    # stack in the log, which PoolCrashed quotes.
-    faulthandler.enable(all_threads=True)
-
-
-def _xla_worker(conn, log: str, world_size: int, env: dict[str, str], grace: float) -> None:
-    _to_log(log)
-    os.environ.update(env)  # before the XLA runtime starts in this process
-
-    import torch_xla.core.xla_model as xm
-    from torch_xla._internal import pjrt
-
-    pjrt.initialize_multiprocess(0, 1)
-    devices = xm.get_xla_supported_devices()
-    if len(devices) != world_size:
-        raise RuntimeError(f"expected {world_size} XLA devices, found {len(devices)}: {devices}")
-    inboxes = [queue.Queue() for _ in devices]
-    outbox: queue.Queue = queue.Queue()
-    for device, inbox in zip(devices, inboxes):
-        threading.Thread(target=_replica, args=(device, inbox, outbox), daemon=True).start()
-
-    while (task := conn.recv()) is not None:
-        fn, per_rank_args = task
-        for r, inbox in enumerate(inboxes):
-            inbox.put(_task(fn, per_rank_args, r))
-        results = _Results(world_size, grace)
-        while not results.done():
-            try:
-                results.add(*outbox.get(timeout=results.wait_time()))
-            except queue.Empty:
-                pass
-        complete, ordered = results.finish()
-        try:
-            conn.send((complete, ordered))
-        except Exception as e:  # an unpicklable result
-            conn.send((complete, [(False, _failure(r, e)) for r in range(world_size)]))
-        if not complete:
-            os._exit(0)  # stuck replica threads cannot be recovered
-
-
-def _gloo_worker(conn, log: str, rank: int, world_size: int, port: int, timeout: float) -> None:
-    _to_log(log)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
-    while (task := conn.recv()) is not None:
-        result = _call(rank, task)
-        try:
-            conn.send(result)
-        except Exception as e:  # an unpicklable result
-            conn.send((rank, False, _failure(rank, e)))
-    dist.destroy_process_group()

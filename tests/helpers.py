@@ -1,0 +1,89 @@
+"""What the tests share in the test process: comparisons of trees and values,
+and the Hypothesis settings of the property tests.
+
+(What runs inside a replica is in tests/replicas.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import optree
+import torch
+from hypothesis import HealthCheck, settings
+
+# ---- Hypothesis ----------------------------------------------------------------
+
+#: Examples per property test; CI and local runs can raise it.
+EXAMPLES = int(os.environ.get("XCOLL_EXAMPLES", "20"))
+#: The settings of every property test that runs on a replica pool.
+PROPERTY = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+# ---- comparisons ---------------------------------------------------------------
+
+# The integer dtype of each float dtype's width, to compare floats bit for bit.
+_INT = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def leaves(tree):
+    """The leaves of ``tree``; ``None`` is an empty subtree, as in xcoll."""
+    return optree.tree_leaves(tree, none_is_leaf=False)
+
+
+def same_bits(a, b) -> bool:
+    """Bitwise equality: tensors (dtype, shape, every bit), Python floats (every
+    bit of the float64, so -0.0 and NaN payloads count), lists, tuples and dicts
+    (same type, same keys in the same order, items compared the same way), other
+    values (same type and ``==``)."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        a, b = a.contiguous(), b.contiguous()
+        if a.dtype in _INT:
+            a, b = a.view(_INT[a.dtype]), b.view(_INT[b.dtype])
+        return bool(torch.equal(a, b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack(">d", a) == struct.pack(">d", b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same_bits, a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_bits(a[k], b[k]) for k in a)
+    return a == b
+
+
+def same_values(a, b) -> bool:
+    """Equal as numbers (-0.0 == 0.0), NaN where NaN; dtype, shape and type equal."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        eq = a == b
+        if a.dtype.is_floating_point:
+            eq |= torch.isnan(a) & torch.isnan(b)
+        return bool(eq.all())
+    if isinstance(a, float):
+        return type(b) is float and (a == b or (a != a and b != b))
+    return type(a) is type(b) and a == b
+
+
+def assert_trees(actual, expected, equal, what=""):
+    """``actual`` has ``expected``'s structure and ``equal(a, e)`` holds leaf by leaf;
+    a failure names the leaf's path."""
+    assert optree.tree_structure(actual, none_is_leaf=False) == optree.tree_structure(
+        expected, none_is_leaf=False
+    ), what
+    paths = optree.tree_paths(expected, none_is_leaf=False)
+    for path, a, e in zip(paths, leaves(actual), leaves(expected), strict=True):
+        assert equal(a, e), (what, path, a, e)

@@ -1,0 +1,84 @@
+"""Every private torch_xla call xcoll makes, one named function each.
+
+Each says which public API it replaces and why. If the installed torch_xla
+lacks one of these bindings (they are not a stable API), the call raises a
+RuntimeError that says so, instead of an AttributeError from deep inside a
+collective. xcoll is tested with torch_xla 2.9.0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch_xla
+
+
+def _binding(name: str) -> Any:
+    try:
+        return getattr(torch_xla._XLAC, name)
+    except AttributeError:
+        raise RuntimeError(
+            f"this torch_xla ({getattr(torch_xla, '__version__', '?')}) has no "
+            f"torch_xla._XLAC.{name}, which xcoll needs; xcoll is tested with torch_xla 2.9.0"
+        ) from None
+
+
+def runtime_is_initialized() -> bool:
+    """Whether the XLA runtime runs in this process. Replaces
+    ``torch_xla.runtime`` queries, which start the runtime when it is not running."""
+    return _binding("_xla_runtime_is_initialized")()
+
+
+def set_default_device(device: Any) -> None:
+    """Makes ``device`` this thread's default XLA device. Replaces what
+    ``xmp.spawn``'s thread-per-device runner does for each of its threads
+    (there is no public call for one thread)."""
+    _binding("_xla_set_default_device")(device)
+
+
+def wait_device(device: torch.device) -> None:
+    """Waits for the executions pending on ``device`` only. Replaces
+    ``xm.wait_device_ops()``, which waits for every device of the process: in
+    thread-per-device mode one replica would then wait on another replica's
+    rendezvous (deadlock)."""
+    devices = _binding("_xla_real_devices")([str(device)])
+    _binding("_xla_wait_device_ops")(devices=devices)
+
+
+def user_computation(name: str, inputs: Sequence[torch.Tensor], computation: Any) -> list:
+    """Applies a built XLA computation to ``inputs`` as one node of the lazy
+    graph. No public API applies an ``xla_builder`` computation to tensors;
+    xcoll's pack, unpack, split and bitcast are such computations (one node
+    instead of a torch call per leaf; ``Tensor.view(dtype)`` is not lowered)."""
+    return _binding("_xla_user_computation")(name, list(inputs), computation)
+
+
+def reset_token(device: torch.device | str) -> None:
+    """Clears ``device``'s collective token (torch_xla adds it to every
+    collective's input and derives the next one from the result, so a NaN
+    result poisons later collectives). ``torch_xla.sync()`` resets it too, but
+    also runs the graph."""
+    _binding("_set_all_reduce_token")(str(device), None)
+
+
+def all_gather(buf: torch.Tensor, world_size: int) -> torch.Tensor:
+    """One all-gather of the 1-d ``buf`` over every replica, along dim 0.
+    Replaces ``xm.all_gather(buf, pin_layout=False)`` without its token lookup
+    (this form of all-gather does not use it). The pinned default pads with the
+    replica's ordinal, so replicas would compile different graphs."""
+    return _binding("_xla_all_gather")(buf, 0, world_size, [], False, None, None)
+
+
+def get_cpu_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of device tensors, fetched in one call. Replaces a ``.cpu()``
+    per tensor (one transfer each)."""
+    return list(_binding("_xla_get_cpu_tensors")(list(tensors)))
+
+
+def sync_only(tensors: Sequence[torch.Tensor]) -> None:
+    """Runs the graph of ``tensors`` alone, asynchronously. Replaces
+    ``torch_xla.sync()``, which runs everything pending (the caller's work too,
+    which differs between replicas exactly when their calls do)."""
+    _binding("_xla_sync_multi")(list(tensors), devices=[], wait=False)
