@@ -1,11 +1,15 @@
-"""Cost of xcoll's cross-replica consistency check, per call.
+"""Cost of xcoll's cross-replica consistency check and of planning an op tree.
 
     python -m bench.check [--replicas 4] [--repeats 50]
 
-Times ``xcoll.gather`` of a small tree (8 float32 leaves of shape (8, 16)) with
-the check on every call (``"always"``) and off (``"never"``), on XLA:CPU replicas
-and on gloo processes, in one run; prints the median ms per call on rank 0, the
-difference, and (XLA) graph executions per call per replica.
+Times, in one run, median ms per call on rank 0:
+
+* ``xcoll.gather`` of float32 leaves of shape (8, 16) (8 and 256 leaves) with the
+  check on every call (``"always"``) and off (``"never"``), on XLA:CPU replicas
+  (``--replicas``) and on gloo processes (``--replicas`` and 2), with the ratio,
+  and (XLA) graph executions per call per replica;
+* on gloo W=2, ``xcoll.reduce`` of 64 such leaves with ``op="sum"`` and with a
+  dict holding an op per leaf (planned once per tree signature, like a str).
 """
 
 from __future__ import annotations
@@ -19,25 +23,47 @@ import torch
 from xcoll.testing import GlooPool, XlaPool, xla_counters
 
 
-def measure(args: tuple[str, int]) -> float:
-    import xcoll
-
-    mode, repeats = args
-    dev = torch.device("cpu")
+def _device() -> torch.device:
     from xcoll import _backends
 
-    if _backends._xla_runtime_running():
+    if _backends.xla_runtime_running():
         import torch_xla
 
-        dev = torch_xla.device()
-    tree = {f"leaf{i}": torch.randn(8, 16).to(dev) for i in range(8)}
+        return torch_xla.device()
+    return torch.device("cpu")
+
+
+def measure(args: tuple[str, str, int, int]) -> float:
+    """Median seconds per call of ``what`` ("gather", "reduce-sum", "reduce-dict")."""
+    import xcoll
+
+    what, mode, leaves, repeats = args
+    dev = _device()
+    g = torch.Generator().manual_seed(xcoll.rank())
+    tree = {f"leaf{i:03d}": torch.randn(8, 16, generator=g).to(dev) for i in range(leaves)}
+    ops = {k: "sum" for k in tree}
     times = []
     with xcoll.consistency_checks(mode):
         for _ in range(3 + repeats):
             t0 = time.perf_counter()
-            xcoll.gather(tree, to_cpu=True)
+            if what == "gather":
+                xcoll.gather(tree, to_cpu=True)
+            else:
+                out = xcoll.reduce(tree, ops if what == "reduce-dict" else "sum")
+                out["leaf000"].cpu()  # waits for the result, as a user reading it would
             times.append(time.perf_counter() - t0)
     return statistics.median(times[3:])
+
+
+def _time(pool, args, counted: bool) -> tuple[float, str]:
+    w = pool.world_size
+    pool.run(measure, [(*args[:3], 1)] * w)  # compile, plan, first-call check
+    c0 = pool.run(xla_counters)[0] if counted else None
+    t = pool.run(measure, [args] * w)[0]
+    if c0 is None:
+        return t, ""
+    c1 = pool.run(xla_counters)[0]
+    return t, f"{(c1['executions'] - c0['executions']) / ((3 + args[3]) * w):g}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,31 +71,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--repeats", type=int, default=50)
     a = p.parse_args(argv)
-    w = a.replicas
+    w, n = a.replicas, a.repeats
+    print("xcoll.gather(float32 (8, 16) leaves, to_cpu=True); median ms per call on rank 0\n")
     print(
-        f"W={w}; xcoll.gather(8 float32 (8, 16) leaves, to_cpu=True); median ms per call on rank 0\n"
+        "| engine | W | leaves | check never | check always | always / never "
+        "| executions per call, always |"
     )
-    print(
-        "| engine | check never | check always | cost of the check | executions per call, always |"
-    )
-    print("|---|---:|---:|---:|---:|")
-    for name, pool in (("XLA:CPU", XlaPool(w)), ("gloo", GlooPool(w))):
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    pools = [("XLA:CPU", XlaPool(w))] + [("gloo", GlooPool(k)) for k in sorted({w, 2})]
+    for name, pool in pools:
         with pool:
-            t = {}
-            for mode in ("never", "always"):
-                pool.run(measure, [(mode, 1)] * w)  # compile
-                c0 = pool.run(xla_counters)[0] if name == "XLA:CPU" else None
-                t[mode] = pool.run(measure, [(mode, a.repeats)] * w)[0]
-                c1 = pool.run(xla_counters)[0] if name == "XLA:CPU" else None
-            ex = (
-                ""
-                if c0 is None
-                else f"{(c1['executions'] - c0['executions']) / ((3 + a.repeats) * w):g}"
-            )
-            print(
-                f"| {name} | {t['never'] * 1e3:.2f} | {t['always'] * 1e3:.2f} | "
-                f"{(t['always'] - t['never']) * 1e3:+.2f} | {ex} |"
-            )
+            for leaves in (8, 256):
+                never, _ = _time(pool, ("gather", "never", leaves, n), False)
+                always, ex = _time(pool, ("gather", "always", leaves, n), name == "XLA:CPU")
+                print(
+                    f"| {name} | {pool.world_size} | {leaves} | {never * 1e3:.2f} | "
+                    f"{always * 1e3:.2f} | {always / never:.2f}x | {ex} |"
+                )
+            if name == "gloo" and pool.world_size == 2:
+                summed, _ = _time(pool, ("reduce-sum", "never", 64, n), False)
+                per_leaf, _ = _time(pool, ("reduce-dict", "never", 64, n), False)
+                reduce_line = (
+                    f'\ngloo W=2, xcoll.reduce of 64 float32 (8, 16) leaves: op="sum" '
+                    f"{summed * 1e3:.2f} ms, a dict of 64 ops {per_leaf * 1e3:.2f} ms "
+                    f"({per_leaf / summed:.2f}x)"
+                )
+    print(reduce_line)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def _rendezvous(payload: bytes) -> list[bytes]:
     padded = torch.nn.functional.pad(data, (0, max_size.item() - size.item())).to(device)
     raw = xm.all_gather(padded, pin_layout=False)
     data_list = torch.split(raw, max_size.item())
-    payloads = [d[:sz] for d, sz in zip(data_list, sizes.cpu())]
+    payloads = [d[:sz] for d, sz in zip(data_list, sizes.cpu(), strict=True)]
     _sync()
     return [bytes(p.cpu().tolist()) for p in payloads]
 
@@ -146,14 +146,14 @@ def mesh_reduce_broadcast(tree: dict) -> Call:
 
 
 def pack_floor_gather(tree: dict) -> Call:
-    """xcoll.gather's own packing (``pack_moves``: one XLA node for every dtype's
-    bucket, on the integer wire) and one all_gather per dtype, results fetched in
-    one transfer; no flattening, planning, unpacking or output tensors. What is
-    left of xcoll.gather(to_cpu=True) above this is the work per call that
-    these skip."""
-    from xcoll._backends.xla import XlaBackend
+    """xcoll.gather's own packing (its kernels' ``pack``: one XLA node for every
+    dtype's bucket, on the integer wire) and one all_gather per dtype, results
+    fetched in one transfer; no flattening, planning, unpacking or output
+    tensors. What is left of xcoll.gather(to_cpu=True) above this is the work per
+    call that these skip."""
+    from xcoll._backends.xla import XlaTransport
 
-    backend = XlaBackend(_device())
+    backend = XlaTransport(_device())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for leaf in optree.tree_leaves(tree):
         by_dtype.setdefault(leaf.dtype, []).append(leaf)
@@ -161,7 +161,7 @@ def pack_floor_gather(tree: dict) -> Call:
     shapes = [tuple(tuple(t.shape) for t in ts) for ts in parts]
 
     def call():
-        wires = backend.pack_moves(parts, shapes)
+        wires = backend.kernels.pack(parts, shapes, encode=True)
         out = [backend.all_gather(wire) for wire in wires]
         _sync()
         return _fetch(out)

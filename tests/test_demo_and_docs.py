@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,14 +145,20 @@ def test_bench_check_runs_and_reports_the_extra_execution():
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {
-        line.split("|")[1].strip(): line.split("|")[2:-1]
+    rows = [
+        [c.strip() for c in line.split("|")[1:-1]]
         for line in result.stdout.splitlines()
         if line.startswith("| XLA") or line.startswith("| gloo")
-    }
-    assert set(rows) == {"XLA:CPU", "gloo"}
-    assert all(float(c) > 0 for c in rows["XLA:CPU"][:2] + rows["gloo"][:2])
-    assert float(rows["XLA:CPU"][3]) == 2  # the check's exchange, then the gather
+    ]
+    # engine, W, leaves: every cell measured once
+    assert sorted((r[0], r[1], r[2]) for r in rows) == sorted(
+        (e, "2", n) for e in ("XLA:CPU", "gloo") for n in ("8", "256")
+    )
+    for r in rows:
+        assert float(r[3]) > 0 and float(r[4]) > 0 and r[5].endswith("x")
+        if r[0] == "XLA:CPU":
+            assert float(r[6]) == 2  # the check's exchange, then the gather
+    assert re.search(r'op="sum" [0-9.]+ ms, a dict of 64 ops [0-9.]+ ms', result.stdout)
 
 
 def test_readme_pool_example_runs_as_a_script(tmp_path):

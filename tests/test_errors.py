@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import device, to_cpu
+from tests.replicas import device, shared_pool, to_cpu
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -81,10 +81,14 @@ def test_scalars_need_sync():
         xcoll.gather({"x": torch.ones(1)}, sync=False, to_cpu=True)
 
 
+def _mixed_devices(_):
+    xcoll.gather({"a": torch.ones(1), "b": torch.ones(1).to(device())})
+
+
 def test_mixed_devices_name_both_paths():
-    tree = {"a": torch.ones(1), "b": torch.ones(1, device="meta")}
-    with pytest.raises(TypeError, match=re.escape("tree['a']") + ".*" + re.escape("tree['b']")):
-        xcoll.gather(tree)
+    failure = shared_pool("xla-cpu-1").run(_mixed_devices, [None], return_exceptions=True)[0]
+    assert failure.type_name == "builtins.TypeError"
+    assert re.search(re.escape("tree['a']") + ".*" + re.escape("tree['b']"), failure.message)
 
 
 def _bad_leaf(kind):

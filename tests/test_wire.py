@@ -7,13 +7,13 @@ import pytest
 import torch
 from hypothesis import given
 
+from tests.helpers import same_bits, same_values
 from tests.strategies import _float_values
-from tests.test_properties import same_bits, same_values
 from xcoll import _wire
-from xcoll._backends import LocalBackend
+from xcoll._backends.base import TORCH
 
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
-bitcast = LocalBackend().bitcast
+bitcast = TORCH.bitcast
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

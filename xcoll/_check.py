@@ -10,6 +10,9 @@ caller's pending work differs between replicas exactly when their calls do). If
 the digests differ, every replica exchanges the descriptions and raises
 :class:`CollectiveMismatchError` naming the first difference.
 
+A description's per-leaf part depends only on the tree's signature and is
+built once per cached plan, so a checked call costs one 32-byte exchange.
+
 When it runs (``XCOLL_CHECK`` or :func:`consistency_checks`): ``"first"`` (the
 default) checks the first call of each replica, which catches a structure that
 differs from the start of a run; ``"always"`` checks every call (one more small
@@ -20,16 +23,16 @@ collective per call: see docs/reliability.md for its measured cost);
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import os
-import re
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from . import _tree
+from . import _exchange, _tree
+from ._backends.base import Transport
 
 MODES = ("first", "always", "never")
 _local = threading.local()  # per replica main thread (XLA:CPU runs one thread per replica)
@@ -53,17 +56,39 @@ def consistency_checks(mode: str) -> Iterator[None]:
         _local.mode = previous
 
 
-def _mode() -> str:
+def due() -> bool:
+    """Whether this call (a public call of this thread) is checked; counts it."""
+    calls = getattr(_local, "calls", 0)
+    _local.calls = calls + 1
     mode = getattr(_local, "mode", None) or os.environ.get("XCOLL_CHECK", "first")
     if mode not in MODES:
         raise ValueError(f"XCOLL_CHECK must be one of {MODES}, got {mode!r}")
-    return mode
+    return mode == "always" or (mode == "first" and calls == 0)
 
 
-def describe_tree(flat: _tree.Flat, uneven_dims: dict[int, int] | None = None) -> list[str]:
-    """One line per leaf: path, dtype and shape (an uneven leaf's growing dim as *)."""
+@dataclass(frozen=True)
+class Description:
+    """What a call's replicas must agree on, one line per item; compared by
+    its SHA-256, which is computed once."""
+
+    lines: tuple[str, ...]
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        return _exchange.sha256("\n".join(self.lines))
+
+
+def describe(
+    flat: _tree.Flat,
+    uneven_dims: dict[int, int] | None = None,
+    ops: Sequence[str] | None = None,
+) -> Description:
+    """One line per leaf (path, dtype and shape, an uneven leaf's growing dim
+    as *, its op), then the tree's structure. Object addresses (a function as
+    a dict key, a defaultdict's factory) differ between processes and are
+    left out."""
     lines = []
-    for i, leaf in enumerate(flat.leaves):
+    for i, (path, leaf) in enumerate(zip(flat.paths, flat.leaves, strict=True)):
         if isinstance(leaf, torch.Tensor):
             shape = list(leaf.shape)
             if uneven_dims and i in uneven_dims:
@@ -71,71 +96,44 @@ def describe_tree(flat: _tree.Flat, uneven_dims: dict[int, int] | None = None) -
             what = f"{str(leaf.dtype).removeprefix('torch.')} tensor of shape ({', '.join(map(str, shape))})"
         else:
             what = f"Python {type(leaf).__name__}"
-        lines.append(f"{flat.path(i)}: {what}")
-    return lines
+        lines.append(f"{path}: {what}" + (f" op={ops[i]}" if ops else ""))
+    lines.append(str(flat.treespec))
+    return Description(tuple(_tree.ADDRESS.sub("", line) for line in lines))
 
 
-def describe_structure(flat: _tree.Flat) -> str:
-    """The tree's structure, as every replica prints it: object addresses in
-    node data (a defaultdict's lambda factory) differ between processes and
-    are left out."""
-    return _ADDRESS.sub("", str(flat.treespec))
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-@contextlib.contextmanager
-def outermost() -> Iterator[bool]:
-    """True in the outermost xcoll call of this thread: only it is checked (the
-    calls it makes inside are part of it)."""
-    depth = getattr(_local, "depth", 0)
-    _local.depth = depth + 1
-    try:
-        yield depth == 0
-    finally:
-        _local.depth = depth
-
-
-def check(name: str, describe: Callable[[], list[str]], *, group: Any = None) -> None:
-    """When the mode says so, runs ``describe()`` (the call's local validation:
-    it may raise) and compares the description with every replica's. A local
-    error is shared too, so that every replica raises instead of the others
-    waiting for it."""
-    calls = getattr(_local, "calls", 0)
-    _local.calls = calls + 1
-    mode = _mode()
-    if mode == "never" or (mode == "first" and calls > 0):
-        return  # the call's own validation still raises its local errors
-    try:
-        lines, error = [name, *describe()], None
-    except (TypeError, ValueError) as e:
-        lines, error = [name, f"error: {type(e).__name__}: {e}"], e
-    _compare(name, lines, error, group)
-    if error is not None:
-        raise error
-
-
-def _compare(name: str, lines: list[str], error: Exception | None, group: Any) -> None:
-    from . import _backends, _objects
-
-    backend = _backends.current(group)
-    digest = hashlib.sha256("\n".join(lines).encode("utf-8", "surrogatepass")).digest()
-    every = backend.exchange(backend.upload(torch.frombuffer(bytearray(digest), dtype=torch.uint8)))
-    me = backend.rank()
-    differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[me])]
+def verify(
+    transport: Transport,
+    name: str,
+    head: str,
+    body: Description | None = None,
+    error: Exception | None = None,
+) -> None:
+    """Compares this replica's call (``head``: its parameters, ``body``: its
+    tree, or the local ``error`` that stopped it) with every replica's. Raises
+    on every replica if any differs: :class:`CollectiveMismatchError`, or the
+    local error (extended with the first difference) where there was one."""
+    if error is not None:  # named first: it is what the other replicas should see
+        lines, body = (name, f"error: {type(error).__name__}: {error}", head), Description(())
+    else:
+        lines = (name, head)
+    assert body is not None
+    digest = _exchange.sha256("\n".join([*lines, body.digest.hex()]))
+    differ = _exchange.differing(transport, digest)
     if not differ:
         return
     other = differ[0]
-    mine, theirs = lines, _objects._gather_object(lines, group)[other]  # every replica is here
+    mine = [*lines, *body.lines]
+    every = _exchange.gather_bytes(transport, "\n".join(mine).encode("utf-8", "surrogatepass"))
+    theirs = every[other].decode("utf-8", "surrogatepass").split("\n")
     at = next(
-        (k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs))
+        (k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+        min(len(mine), len(theirs)),
     )
     here = mine[at] if at < len(mine) else "(no more leaves)"
     there = theirs[at] if at < len(theirs) else "(no more leaves)"
     message = (
         f"{name}: replicas disagree (first difference, item {at}): "
-        f"this replica (rank {me}) has {here}; rank {other} has {there}"
+        f"this replica (rank {transport.rank()}) has {here}; rank {other} has {there}"
     )
     if error is None:
         raise CollectiveMismatchError(message)

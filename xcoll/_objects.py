@@ -11,20 +11,16 @@ waiting for data that never comes.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-import torch
-
-from . import _backends, _check, _codec, _collectives
-from ._uneven import size_bucket
+from . import _backends, _call, _check, _codec, _exchange, _pack
 
 
-def _encode_or_error(obj: Any) -> tuple[bytes, Exception | None]:
+def _encode_or_error(obj: Any) -> tuple[bytes | None, Exception | None]:
     try:
         return _codec.encode(obj), None
     except (TypeError, ValueError) as e:
-        return b"", e
+        return None, e
 
 
 def _raise_for(failed: list[int], mine: Exception | None, what: str) -> None:
@@ -33,11 +29,14 @@ def _raise_for(failed: list[int], mine: Exception | None, what: str) -> None:
     raise ValueError(f"{what}: replica(s) {failed} could not encode their object (see their error)")
 
 
-def _padded(data: bytes, size: int) -> torch.Tensor:
-    buf = torch.zeros(size, dtype=torch.uint8)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return buf
+def _checked(name: str, head: str, group: Any, error: Exception | None = None):
+    """The call's transport, after the consistency check when it is due."""
+    transport = _backends.current(group)
+    if _check.due():
+        _check.verify(transport, name, head, _check.Description(()), error)
+    if error is not None:
+        raise error
+    return transport
 
 
 def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
@@ -45,30 +44,19 @@ def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
 
     ``obj`` is JSON-like (see :func:`xcoll.encode_object`): None, bool, int, float,
     str, bytes, and lists, tuples and dicts (str or int keys) of them. Values come
-    back exactly, types preserved.
+    back exactly, types preserved. ``obj`` is left unmodified.
 
     >>> import xcoll
     >>> xcoll.gather_object({"epoch": 3, "tags": ("a", "b")})  # a world of one
     [{'epoch': 3, 'tags': ('a', 'b')}]
     """
-    with _check.outermost() as outer:
-        if outer:
-            _check.check("xcoll.gather_object", list, group=group)
-        return _gather_object(obj, group)
-
-
-def _gather_object(obj: Any, group: Any) -> list[Any]:
-    # Exchanges run on their own: the caller's pending work (on XLA) stays out of
-    # them, so the consistency check can use this when replicas' calls differ.
-    backend = _backends.current(group)
+    transport = _checked("xcoll.gather_object", "", group)
     data, error = _encode_or_error(obj)
-    size = torch.tensor([-1 if error else len(data)], dtype=torch.int64)
-    sizes = backend.exchange(backend.upload(size))[:, 0].tolist()
-    failed = [r for r, n in enumerate(sizes) if n < 0]
+    every = _exchange.gather_bytes(transport, data)
+    failed = [r for r, d in enumerate(every) if d is None]
     if failed:
         _raise_for(failed, error, "gather_object")
-    every = backend.exchange(backend.upload(_padded(data, size_bucket(max(sizes)))))
-    return [_codec.decode(every[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]
+    return [_codec.decode(d) for d in every]
 
 
 def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
@@ -78,22 +66,15 @@ def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
     >>> xcoll.broadcast_object(["config", {"lr": 0.1}])
     ['config', {'lr': 0.1}]
     """
-    with _check.outermost() as outer:
-        if outer:
-            _check.check("xcoll.broadcast_object", lambda: [f"src={src}"], group=group)
-        return _broadcast_object(obj, src, group)
-
-
-def _broadcast_object(obj: Any, src: int, group: Any) -> Any:
-    backend = _backends.current(group)
-    mine = backend.rank() == src
+    transport = _checked("xcoll.broadcast_object", f"src={src}", group)
+    mine = transport.rank() == src
     data, error = _encode_or_error(obj) if mine else (b"", None)
-    size = _collectives.broadcast(-1 if error else len(data), src=src, group=group)
+    size = _call.run(_call.Broadcast(src), -1 if data is None else len(data), transport)
     if size < 0:
         _raise_for([src], error, "broadcast_object")
-    buf = backend.upload(_padded(data, size_bucket(size)))
-    out = _collectives.broadcast(buf, src=src, group=group)
-    return _codec.decode(backend.to_host([out])[0][:size].numpy().tobytes())
+    buf = transport.upload(_exchange.bytes_tensor(data or b"", _pack.size_bucket(size)))
+    out = _call.run(_call.Broadcast(src), buf, transport)
+    return _codec.decode(transport.to_host([out])[0][:size].numpy().tobytes())
 
 
 def barrier(tag: str = "", *, group: Any = None) -> None:
@@ -105,26 +86,14 @@ def barrier(tag: str = "", *, group: Any = None) -> None:
     >>> import xcoll
     >>> xcoll.barrier("epoch-end")
     """
-    with _check.outermost() as outer:
-        if outer:
-            _check.check("xcoll.barrier", lambda: _tag_type(tag), group=group)
-        _barrier(tag, group)
-
-
-def _tag_type(tag: Any) -> list[str]:
+    error = None
     if type(tag) is not str:
-        raise TypeError(f"barrier tag must be a str, got {type(tag).__qualname__}")
-    return []  # the tags themselves are compared below, and named if they differ
-
-
-def _barrier(tag: str, group: Any) -> None:
-    _tag_type(tag)
-    backend = _backends.current(group)
-    digest = torch.frombuffer(
-        bytearray(hashlib.sha256(tag.encode("utf-8", "surrogatepass")).digest()), dtype=torch.uint8
-    )
-    every = backend.exchange(backend.upload(digest))
-    if not bool((every == every[0]).all()):
-        tags = _gather_object(tag, group)  # every replica takes this branch
-        listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        error = TypeError(f"barrier tag must be a str, got {type(tag).__qualname__}")
+    # The tags themselves are compared below, and named if they differ.
+    transport = _checked("xcoll.barrier", "", group, error)
+    if _exchange.differing(transport, _exchange.sha256(tag)):
+        tags = _exchange.gather_bytes(transport, tag.encode("utf-8", "surrogatepass"))
+        listing = ", ".join(
+            f"rank {r}: {t.decode('utf-8', 'surrogatepass')!r}" for r, t in enumerate(tags)
+        )
         raise ValueError(f"barrier tags differ between replicas ({listing})")

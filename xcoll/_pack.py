@@ -58,7 +58,10 @@ class Bucket:
 
 
 def plan(
-    leaves: Sequence[object], keys: Sequence[Hashable], dtypes: Sequence[torch.dtype]
+    leaves: Sequence[object],
+    keys: Sequence[Hashable],
+    dtypes: Sequence[torch.dtype],
+    first: frozenset[int] = frozenset(),
 ) -> list[Bucket]:
     """Groups leaf ``i`` into the bucket ``keys[i]``, in order of first appearance.
 
@@ -66,7 +69,12 @@ def plan(
     position, so that leaves of equal shape sit together: a gathered bucket
     regroups in a few blocks (:func:`slot_major`) and splits in a few calls
     (:func:`split`). Python scalars get shape ``()`` and are laid out after the
-    tensors of their bucket.
+    tensors of their bucket. Leaves in ``first`` come before the others of
+    their kind (a reduce's means, so that they are one range to divide).
+
+    >>> [[(s.leaf, s.offset) for s in b.tensors + b.scalars]
+    ...  for b in plan([torch.zeros(3), 1.0, torch.zeros(2)], ["f", "f", "f"], [torch.float32] * 3)]
+    [[(2, 0), (0, 2), (1, 5)]]
     """
     buckets: dict[Hashable, Bucket] = {}
     tensors: dict[Hashable, list[tuple[int, tuple[int, ...], int]]] = {}
@@ -77,16 +85,26 @@ def plan(
             tensors[keys[i]] = []
         if isinstance(leaf, torch.Tensor):
             shape = tuple(leaf.shape)
-            tensors[keys[i]].append((numel(shape), shape, i))
+            tensors[keys[i]].append((i not in first, numel(shape), shape, i))
         else:
             scalar_leaves.append(i)
     for key, bucket in buckets.items():
-        for _, shape, i in sorted(tensors[key]):
+        for _, _, shape, i in sorted(tensors[key]):
             bucket._add(bucket.tensors, i, shape)
-    for i in scalar_leaves:
+    for i in sorted(scalar_leaves, key=lambda i: i not in first):
         bucket = buckets[keys[i]]
         bucket._add(bucket.scalars, i, ())
     return list(buckets.values())
+
+
+def size_bucket(n: int) -> int:
+    """The padded size for a largest size ``n``: 0 or the next power of two, so
+    that sizes up to ``N`` compile at most ``ceil(log2(N)) + 2`` graphs on XLA.
+
+    >>> [size_bucket(n) for n in (0, 1, 3, 4, 5)]
+    [0, 1, 4, 4, 8]
+    """
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
 def runs(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -132,7 +150,7 @@ def split(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.T
         return list(torch._utils._unflatten_dense_tensors(flat, templates))
     groups, sizes = _groups(shapes)
     out: list[torch.Tensor] = []
-    for (shape, k), chunk in zip(groups, flat.split(sizes)):
+    for (shape, k), chunk in zip(groups, flat.split(sizes), strict=True):
         if k == 1:
             out.append(chunk.view(shape))
         else:

@@ -22,7 +22,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _backends, _check, _collectives
+from . import _backends, _call, _check
 
 
 def _numpy():
@@ -34,7 +34,7 @@ def _numpy():
 
 
 def _xla_device():
-    return sys.modules["torch_xla"].device() if _backends._xla_runtime_running() else None
+    return sys.modules["torch_xla"].device() if _backends.xla_runtime_running() else None
 
 
 def rng_state(generators: Sequence[torch.Generator] = ()) -> dict[str, Any]:
@@ -84,7 +84,7 @@ def set_rng_state(state: dict[str, Any], generators: Sequence[torch.Generator] =
         raise ValueError(
             f"the state holds {len(cpu['generators'])} generators, {len(generators)} were passed"
         )
-    for g, s in zip(generators, cpu["generators"]):
+    for g, s in zip(generators, cpu["generators"], strict=True):
         g.set_state(s)
     if "numpy" in cpu:
         n = cpu["numpy"]
@@ -108,24 +108,16 @@ def sync_rng_state(
     Afterwards ``torch.rand``, the XLA RNG, ``random.random()``, NumPy and every
     generator in ``generators`` draw the same values on every replica.
     """
-    with _check.outermost() as outer:
-        if outer:
-            _check.check(
-                "xcoll.sync_rng_state",
-                lambda: [f"src={src} generators={len(generators)}"],
-                group=group,
-            )
-        _sync_rng_state(src, generators, group)
-
-
-def _sync_rng_state(src: int, generators: Sequence[torch.Generator], group: Any) -> None:
-    backend = _backends.current(group)
+    transport = _backends.current(group)
+    if _check.due():
+        head = f"src={src} generators={len(generators)}"
+        _check.verify(transport, "xcoll.sync_rng_state", head, _check.Description(()))
     state = optree.tree_map(
-        lambda x: backend.upload(x) if isinstance(x, torch.Tensor) else x, rng_state(generators)
+        lambda x: transport.upload(x) if isinstance(x, torch.Tensor) else x, rng_state(generators)
     )
-    synced = _collectives.broadcast(state, src=src, group=group)
+    synced = _call.run(_call.Broadcast(src), state, transport)
     leaves, spec = optree.tree_flatten(synced)
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    for i, host in zip(tensors, backend.to_host([leaves[i] for i in tensors])):
+    for i, host in zip(tensors, transport.to_host([leaves[i] for i in tensors]), strict=True):
         leaves[i] = host
     set_rng_state(optree.tree_unflatten(spec, leaves), generators)

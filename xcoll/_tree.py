@@ -2,11 +2,15 @@
 
 Leaves are flattened with optree's deterministic order (dict keys sorted), so
 replicas that built the same dict in different insertion orders send their leaves
-in the same order. ``None`` is structure, not a leaf.
+in the same order. ``None`` is structure, not a leaf. A call flattens its tree
+once (:func:`flatten`); everything after works on the :class:`Flat`.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +38,11 @@ SUPPORTED_DTYPES = frozenset(
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
+#: Object addresses in reprs (a function used as a dict key, a defaultdict's
+#: factory): they differ between processes, so descriptions compared across
+#: replicas leave them out.
+ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
 
 @dataclass(frozen=True)
 class Flat:
@@ -43,6 +52,12 @@ class Flat:
     tensor's ``(dtype, shape, device, layout)``, a Python scalar's type.
     ``devices`` are the distinct devices of the tensor leaves, in order of
     appearance; ``scalars`` the indices of the Python scalar leaves.
+
+    >>> flat = flatten({"b": [torch.zeros(2), 3], "a": 1.5})
+    >>> flat.paths
+    ["tree['a']", "tree['b'][0]", "tree['b'][1]"]
+    >>> flat.scalars
+    (0, 2)
     """
 
     tree: Any
@@ -59,12 +74,21 @@ class Flat:
         object: then caches keyed by it build per call.)"""
         return (self.treespec, self.signature)
 
+    @functools.cached_property
+    def paths(self) -> list[str]:
+        """Each leaf's Python expression from the root, e.g. ``tree['preds'][2]``
+        (all of them in one pass over the treespec)."""
+        return _paths(self.treespec)
+
     def path(self, i: int) -> str:
-        """The Python expression that reaches leaf ``i``, e.g. ``tree['preds'][2]``."""
-        return self.treespec.accessors()[i].codify("tree")
+        return self.paths[i]
 
     def unflatten(self, leaves: list[Any]) -> Any:
         return optree.tree_unflatten(self.treespec, leaves)
+
+
+def _paths(treespec: optree.PyTreeSpec) -> list[str]:
+    return [a.codify("tree") for a in treespec.accessors()]
 
 
 # (treespec, signature) of trees already checked -> (the indices of their Python
@@ -80,19 +104,31 @@ def flatten(tree: Any) -> Flat:
     checked again for the values of its Python ints.
 
     Raises:
-        TypeError: a leaf is not a tensor, bool, int or float, or has an
-            unsupported dtype; the message names the leaf's path.
-        ValueError: a Python int does not fit in int64.
+        TypeError: a leaf is not a tensor, bool, int or float, or is a tensor
+            xcoll cannot move (dtype, layout, nested, meta); the message names
+            the leaf's path.
+        ValueError: a Python int does not fit in int64, or the tree nests deeper
+            than optree flattens (the path to that depth is named).
     """
-    leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False)
-    signature = tuple(
-        [
-            (leaf.dtype, leaf.shape, leaf.device, leaf.layout)
-            if isinstance(leaf, torch.Tensor)
-            else type(leaf)
-            for leaf in leaves
-        ]
-    )
+    try:
+        leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False)
+    except RecursionError:
+        raise ValueError(
+            f"{_deep_path(tree)}: the tree nests deeper than {optree.MAX_RECURSION_DEPTH} "
+            "levels, more than optree flattens"
+        ) from None
+    try:
+        signature = tuple(
+            [
+                (leaf.dtype, leaf.shape, leaf.device, leaf.layout)
+                if isinstance(leaf, torch.Tensor)
+                else type(leaf)
+                for leaf in leaves
+            ]
+        )
+    except RuntimeError:  # a tensor without sizes (nested): named by the check
+        _check(leaves, treespec)
+        raise
 
     def check() -> tuple[list[int], tuple[torch.device, ...], tuple[int, ...]]:
         _check(leaves, treespec)
@@ -110,23 +146,55 @@ def flatten(tree: Any) -> Flat:
 
 
 def _check(leaves: list[Any], treespec: optree.PyTreeSpec) -> None:
-    def path(i: int) -> str:
-        return treespec.accessors()[i].codify("tree")
-
+    paths = None
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            if leaf.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(
-                    f"{path(i)}: dtype {leaf.dtype} is not supported; xcoll moves "
-                    f"{', '.join(sorted(str(d) for d in SUPPORTED_DTYPES))}"
-                )
-            if leaf.is_sparse or leaf.layout != torch.strided:
-                raise TypeError(f"{path(i)}: only strided (dense) tensors are supported")
-        elif not isinstance(leaf, (bool, int, float)):
-            raise TypeError(
-                f"{path(i)}: unsupported leaf of type {type(leaf).__qualname__}; "
+            problem = _tensor_problem(leaf)
+        elif isinstance(leaf, (bool, int, float)):
+            continue
+        else:
+            problem = (
+                f"unsupported leaf of type {type(leaf).__qualname__}; "
                 "xcoll communicates tensors and Python bool/int/float (None is structure)"
             )
+        if problem:
+            paths = paths or _paths(treespec)
+            raise TypeError(f"{paths[i]}: {problem}")
+
+
+def _tensor_problem(t: torch.Tensor) -> str | None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        return (
+            f"dtype {t.dtype} is not supported; xcoll moves "
+            f"{', '.join(sorted(str(d) for d in SUPPORTED_DTYPES))}"
+        )
+    if t.is_nested:
+        return "nested tensors are not supported; pass their components (t.unbind())"
+    if t.is_sparse or t.layout != torch.strided:
+        return "only strided (dense) tensors are supported"
+    if t.device.type == "meta":
+        return "a meta tensor holds no data to communicate"
+    return None
+
+
+def _deep_path(tree: Any) -> str:
+    """The path to the first node deeper than optree flattens (its first and
+    last few steps: the full path is as long as the tree is deep)."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(tree, ())]
+    steps: tuple[str, ...] = ()
+    while stack:
+        node, steps = stack.pop()
+        if len(steps) > optree.MAX_RECURSION_DEPTH:
+            break
+        if node is None or optree.tree_is_leaf(node, none_is_leaf=False):
+            continue
+        children, _, entries, _ = optree.tree_flatten_one_level(node, none_is_leaf=False)
+        stack.extend(
+            (c, (*steps, f"[{e!r}]"))
+            for e, c in reversed(list(zip(entries, children, strict=True)))
+        )
+    shown = steps if len(steps) <= 8 else (*steps[:4], "...", *steps[-2:])
+    return "tree" + "".join(shown)
 
 
 def scalar_dtype(value: bool | int | float) -> torch.dtype:
@@ -146,6 +214,15 @@ def to_python(value: torch.Tensor, like: bool | int | float) -> bool | int | flo
     return float(value.item())
 
 
+def prefix_key(prefix: Any) -> Hashable:
+    """A key for a prefix tree (e.g. of op names) that hashes whenever its
+    leaves do: the str itself, or its treespec and leaves."""
+    if isinstance(prefix, str):
+        return prefix
+    leaves, spec = optree.tree_flatten(prefix, none_is_leaf=False)
+    return (spec, tuple(leaves))
+
+
 def broadcast_prefix(prefix: Any, flat: Flat, what: str) -> list[Any]:
     """Expands a prefix tree (e.g. of op names) to one entry per leaf of ``flat``."""
     if isinstance(prefix, str):
@@ -155,5 +232,6 @@ def broadcast_prefix(prefix: Any, flat: Flat, what: str) -> list[Any]:
     except ValueError as e:
         raise ValueError(f"{what} must be a str or a prefix tree of the data tree: {e}") from None
     entries = optree.tree_leaves(full, none_is_leaf=False)
-    assert len(entries) == len(flat.leaves)
+    if len(entries) != len(flat.leaves):
+        raise ValueError(f"{what} must be a str or a prefix tree of the data tree")
     return entries

@@ -15,17 +15,13 @@ which runs first on its own).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from . import _backends, _collectives, _tree
+from . import _call, _check, _pack, _tree
 
-
-def size_bucket(n: int) -> int:
-    """The padded size for a largest size ``n``: 0 or the next power of two.
-    Sizes up to ``N`` thus compile at most ``ceil(log2(N)) + 2`` data graphs."""
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
+_MAX_DIMS = 8
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -37,7 +33,7 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 def growing_dims(flat: _tree.Flat, dim: int) -> dict[int, int]:
     """Each tensor leaf's index -> the dim along which it may differ between
     replicas (``dim``, normalised). Raises ValueError naming a leaf that has no
-    such dim (a 0-d leaf, or ``dim`` out of range)."""
+    such dim (a 0-d leaf, or ``dim`` out of range) or too many dims."""
     dims = {}
     for i, leaf in enumerate(flat.leaves):
         if not isinstance(leaf, torch.Tensor):
@@ -48,71 +44,102 @@ def growing_dims(flat: _tree.Flat, dim: int) -> dict[int, int]:
                 f"{flat.path(i)}: dim={dim} is out of range for a leaf of shape "
                 f"{tuple(leaf.shape)} (uneven gathers need a dim to grow)"
             )
+        if nd > _MAX_DIMS:
+            raise ValueError(f"{flat.path(i)}: uneven gathers support up to {_MAX_DIMS} dims")
         dims[i] = dim % nd
     return dims
 
 
-def gather(tree: Any, *, dim: int, max_size: int | None, to_cpu: bool, group: Any) -> Any:
-    flat = _tree.flatten(tree)
-    backend = _backends.resolve(flat, group)
-    dims = growing_dims(flat, dim)
-    idx = list(dims)
-    # The caller's pending work runs first, on its own: here it typically has
-    # shapes that differ between replicas, and in the graph of a collective that
-    # would give every replica a different program. (Nothing pending: no execution.)
-    backend.sync()
-    host = dict(zip(idx, backend.to_host([flat.leaves[i] for i in idx])))
-    local = [host[i].shape[dims[i]] for i in idx]
+_STACKED = _call.Gather(stack=True)
 
-    if max_size is None:
-        every = _collectives.gather(
-            backend.upload(_shapes(flat, idx, host)), stack=True, to_cpu=True, group=group
+
+@dataclass(frozen=True)
+class UnevenGather(_call.Op):
+    dim: int = 0
+    max_size: int | None = None
+    stack: bool = False
+    name = "xcoll.gather"
+
+    def head(self, sync, to_cpu):
+        return (
+            f"dim={self.dim} stack={self.stack} uneven=True max_size={self.max_size} "
+            f"to_cpu={to_cpu} sync={sync}"
         )
-        sizes = _check_shapes(flat, idx, dims, every)
-        target = size_bucket(int(sizes.max())) if idx else 0
-    else:
-        for i, n in zip(idx, local):
-            if n > max_size:
-                raise ValueError(
-                    f"{flat.path(i)}: size {n} along dim {dims[i]} exceeds max_size={max_size}"
-                )
-        target = max_size
 
-    payload = {
-        "data": [backend.upload(_pad(host[i], dims[i], target)) for i in idx],
-        "scalars": [leaf for leaf in flat.leaves if not isinstance(leaf, torch.Tensor)],
-    }
-    if max_size is not None:
-        payload["sizes"] = backend.upload(torch.tensor(local, dtype=torch.int64))
-    got = _collectives.gather(payload, stack=True, to_cpu=True, group=group)
-    if max_size is not None:
-        sizes = got["sizes"]
+    def validate(self, flat, transport, sync, to_cpu):
+        if self.stack or not sync:
+            raise ValueError(
+                "uneven gathers concatenate and run now: stack=True and sync=False do not apply"
+            )
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"dim must be an int, got {self.dim!r}")
+        m = self.max_size
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"max_size must be a non-negative int, got {m!r}")
 
-    out, scalars = [], iter(got["scalars"])
-    position = {i: j for j, i in enumerate(idx)}
-    for i, leaf in enumerate(flat.leaves):
-        if not isinstance(leaf, torch.Tensor):
-            out.append(next(scalars))
-            continue
-        j = position[i]
-        padded = got["data"][j]  # (W, *padded shape)
-        pieces = [padded[r].narrow(dims[i], 0, int(sizes[r, j])) for r in range(padded.shape[0])]
-        t = torch.cat(pieces, dims[i])
-        out.append(t if to_cpu else backend.upload(t))
-    return flat.unflatten(out)
+    def key(self, flat, world):
+        return ("uneven", self.dim, flat.key)
+
+    def plan(self, flat, world):
+        dims = growing_dims(flat, self.dim)  # only that dim may differ between replicas
+        return _call.Plan([], [], _check.describe(flat, dims), dims=dims)
+
+    def run(self, flat, transport, plan, sync, to_cpu):
+        dims = plan.dims
+        idx = list(dims)
+        # The caller's pending work runs first, on its own: here it typically has
+        # shapes that differ between replicas, and in the graph of a collective that
+        # would give every replica a different program. (Nothing pending: no execution.)
+        transport.sync()
+        host = dict(zip(idx, transport.to_host([flat.leaves[i] for i in idx]), strict=True))
+        local = [host[i].shape[dims[i]] for i in idx]
+
+        if self.max_size is None:
+            shapes = transport.upload(_shapes(idx, host))
+            every = _call.run(_STACKED, shapes, transport, to_cpu=True)
+            sizes = _check_shapes(flat, idx, dims, every)
+            target = _pack.size_bucket(int(sizes.max())) if idx else 0
+        else:
+            for i, n in zip(idx, local, strict=True):
+                if n > self.max_size:
+                    raise ValueError(
+                        f"{flat.path(i)}: size {n} along dim {dims[i]} exceeds "
+                        f"max_size={self.max_size}"
+                    )
+            target = self.max_size
+
+        payload = {
+            "data": [transport.upload(_pad(host[i], dims[i], target)) for i in idx],
+            "scalars": [flat.leaves[i] for i in flat.scalars],
+        }
+        if self.max_size is not None:
+            payload["sizes"] = transport.upload(torch.tensor(local, dtype=torch.int64))
+        got = _call.run(_STACKED, payload, transport, to_cpu=True)
+        if self.max_size is not None:
+            sizes = got["sizes"]
+
+        out, scalars = [], iter(got["scalars"])
+        position = {i: j for j, i in enumerate(idx)}
+        for i, leaf in enumerate(flat.leaves):
+            if not isinstance(leaf, torch.Tensor):
+                out.append(next(scalars))
+                continue
+            j = position[i]
+            padded = got["data"][j]  # (W, *padded shape)
+            pieces = [
+                padded[r].narrow(dims[i], 0, int(sizes[r, j])) for r in range(padded.shape[0])
+            ]
+            t = torch.cat(pieces, dims[i])
+            out.append(t if to_cpu else transport.upload(t))
+        return flat.unflatten(out)
 
 
-_MAX_DIMS = 8
-
-
-def _shapes(flat, idx, host) -> torch.Tensor:
+def _shapes(idx, host) -> torch.Tensor:
     """Each leaf's ``[ndim, *shape]`` in a fixed number of slots, so that the
     exchange has the same size on every replica even where shapes disagree."""
     rows = torch.full((len(idx), 1 + _MAX_DIMS), -1, dtype=torch.int64)
     for j, i in enumerate(idx):
         nd = host[i].dim()
-        if nd > _MAX_DIMS:
-            raise ValueError(f"{flat.path(i)}: uneven gathers support up to {_MAX_DIMS} dims")
         rows[j, 0] = nd
         rows[j, 1 : 1 + nd] = torch.tensor(host[i].shape)
     return rows.reshape(-1)

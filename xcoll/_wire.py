@@ -17,7 +17,7 @@ its own lowering, everywhere else it is ``Tensor.view(dtype)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -86,16 +86,41 @@ def encode_reduce(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
     return buf
 
 
-def decode_reduce(out: torch.Tensor, dtype: torch.dtype, op: str, bitcast: Bitcast) -> torch.Tensor:
-    """Inverse of :func:`encode_reduce` on the reduced tensor. A NaN result is
-    the quiet NaN ``float("nan")``: engines differ in the sign and payload of the
-    NaN an operation makes, and results must not depend on the engine."""
+def decode_reduce(
+    out: torch.Tensor,
+    dtype: torch.dtype,
+    op: str,
+    bitcast: Bitcast,
+    means: Sequence[tuple[int, int]] = (),
+    world: int = 1,
+) -> torch.Tensor:
+    """Inverse of :func:`encode_reduce` on the reduced tensor. The elements in
+    the ranges ``means`` (``(start, stop)``, of a float sum) are divided by
+    ``world`` before the result is rounded to ``dtype``: a half-precision mean
+    is divided in float32 and rounded once. A NaN result is the quiet NaN
+    ``float("nan")``: engines differ in the sign and payload of the NaN an
+    operation makes, and results must not depend on the engine."""
     if dtype == torch.bool:
         return out != 0
     if not dtype.is_floating_point:
         return out.to(dtype)
-    out = decode_order(out, dtype, bitcast) if op in ("max", "min") else out.to(dtype)
+    if op in ("max", "min"):
+        out = decode_order(out, dtype, bitcast)
+    else:
+        out = _divide(out, means, world).to(dtype)
     return out.masked_fill(torch.isnan(out), float("nan"))
+
+
+def _divide(out: torch.Tensor, ranges: Sequence[tuple[int, int]], world: int) -> torch.Tensor:
+    if not ranges:
+        return out
+    if list(ranges) == [(0, out.shape[0])]:
+        return out / world
+    pieces, at = [], 0
+    for start, stop in ranges:
+        pieces += [out[at:start], out[start:stop] / world]
+        at = stop
+    return torch.cat([*pieces, out[at:]])
 
 
 def encode_order(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import Backend
+from .base import Transport
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -25,7 +25,7 @@ _OPS = {
 _WIDER = {torch.int16: torch.int32}
 
 
-class DistBackend(Backend):
+class DistTransport(Transport):
     def __init__(self, device: torch.device | None, group: Any = None):
         if not dist.is_initialized():
             raise RuntimeError("group= was given but torch.distributed is not initialised")

@@ -1,4 +1,5 @@
-"""PyTorch/XLA backend: collectives are traced into the replica's lazy graph.
+"""PyTorch/XLA backend: collectives are traced into the replica's lazy graph, and
+buffers are packed and cut by XLA computations (:class:`XlaKernels`).
 
 Imported only when a leaf is on an XLA device (or the XLA runtime is running).
 Facts this module relies on, measured on XLA:CPU (see docs/design.md):
@@ -34,7 +35,8 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from .. import _memo, _pack, _tree, _wire
-from . import Backend
+from . import _xlac
+from .base import Kernels, Transport
 
 SYNC_LOCK = threading.Lock()
 
@@ -61,10 +63,6 @@ _REDUCE_TYPES = {
 _computations: _memo.Memo[object] = _memo.Memo(locked=True)
 
 
-def _wait(device: torch.device) -> None:
-    torch_xla._XLAC._xla_wait_device_ops(devices=torch_xla._XLAC._xla_real_devices([str(device)]))
-
-
 def sync(device: torch.device | None = None) -> None:
     """Runs this replica's pending graph and waits for it to finish.
 
@@ -73,18 +71,24 @@ def sync(device: torch.device | None = None) -> None:
     XLA:CPU's rendezvous cannot tell a replica's consecutive executions apart (all
     run as RunId 0), so a replica that runs ahead joins another execution's
     collective and every replica hangs (seen after a few dozen back-to-back calls
-    at W=4). It waits for this device only: waiting for all devices would, in
-    thread-per-device mode, wait on the other replicas' rendezvous.
+    at W=4). It waits for this device only (:func:`_xlac.wait_device`).
     """
     device = device or torch_xla.device()
     with SYNC_LOCK:
         torch_xla.sync()
-    _wait(device)
+    _xlac.wait_device(device)
+
+
+def _apply(name: str, key: tuple, build, inputs: Sequence[torch.Tensor]) -> list:
+    """The computation ``build()`` (cached under ``key``) applied to ``inputs``."""
+    return _xlac.user_computation(f"xla::xcoll_{name}", inputs, _computations.get(key, build))
 
 
 def _join(ops, shapes):
     """``ops`` (of ``shapes``) flattened and concatenated, in an XLA computation."""
-    return xb.Op.concat_in_dim([q.reshape([_pack.numel(s)]) for q, s in zip(ops, shapes)], 0)
+    return xb.Op.concat_in_dim(
+        [q.reshape([_pack.numel(s)]) for q, s in zip(ops, shapes, strict=True)], 0
+    )
 
 
 def _encode(op, dtype: torch.dtype):
@@ -105,6 +109,89 @@ def _decode(op, dtype: torch.dtype):
     return op
 
 
+class XlaKernels(Kernels):
+    """:class:`Kernels` as XLA computations: each call is one node of the traced
+    graph, cached by shapes (every torch call a replica thread makes can hand
+    the GIL to another replica; at W=4 on 2 cores the calls, not the work, were
+    most of a call's time). They lower the same operations as the torch
+    kernels, bit for bit (tested)."""
+
+    def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        def build():
+            return xb.create_computation(
+                "xcoll_bitcast", lambda p: p.bitcast(_XLA_TYPES[dtype]), [xb.tensor_shape(t)]
+            )
+
+        return _apply("bitcast", ("bitcast", tuple(t.shape), t.dtype, dtype), build, [t])[0]
+
+    def pack(self, parts, shapes, encode):
+        dtypes = [p[0].dtype for p in parts]
+        flat = [t for p in parts for t in p]
+
+        def build():
+            def pack(*params):
+                wires, at = [], 0
+                for dtype, bucket_shapes in zip(dtypes, shapes, strict=True):
+                    ops = params[at : at + len(bucket_shapes)]
+                    at += len(bucket_shapes)
+                    # Bits become integers before the join: XLA:CPU may
+                    # canonicalise NaN payloads when it copies floats (bfloat16).
+                    wire = _join([_encode(q, dtype) for q in ops], bucket_shapes)
+                    wires.append(wire if encode else _decode(wire, dtype))
+                return xb.Op.tuple(wires)
+
+            return xb.create_computation("xcoll_pack", pack, [xb.tensor_shape(t) for t in flat])
+
+        key = ("pack", encode, tuple(dtypes), tuple(tuple(s) for s in shapes))
+        return _apply("pack", key, build, flat)
+
+    def unpack(self, results, dtypes, sizes, world):
+        def build():
+            def unpack(*params):
+                out = []
+                for p, dtype, n in zip(params, dtypes, sizes, strict=True):
+                    # regrouped as integers, decoded last (as in pack)
+                    if world and world > 1:  # each slot's (W, size) block made contiguous
+                        p = xb.Op.concat_in_dim(
+                            [
+                                p.reshape([world, sum(n)])
+                                .slice_in_dim(a, a + k * m, 1)
+                                .reshape([world, k, m])
+                                .transpose([1, 0, 2])
+                                .reshape([world * k * m])
+                                for a, k, m in _pack.runs(n)
+                            ],
+                            0,
+                        )
+                    out.append(_decode(p, dtype))
+                return xb.Op.tuple(out)
+
+            return xb.create_computation(
+                "xcoll_unpack", unpack, [xb.tensor_shape(r) for r in results]
+            )
+
+        key = ("unpack", tuple(dtypes), tuple(tuple(n) for n in sizes), world)
+        return _apply("unpack", key, build, results)
+
+    def split(self, flats, shapes):
+        def build():
+            def cut(*params):
+                pieces = []
+                for p, bucket_shapes in zip(params, shapes, strict=True):
+                    offset = 0
+                    for shape in bucket_shapes:
+                        n = _pack.numel(shape)
+                        pieces.append(p.slice_in_dim(offset, offset + n, 0).reshape(list(shape)))
+                        offset += n
+                return xb.Op.tuple(pieces)
+
+            return xb.create_computation("xcoll_split", cut, [xb.tensor_shape(f) for f in flats])
+
+        key = ("split", tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes))
+        pieces = iter(_apply("split", key, build, flats))
+        return [[next(pieces) for _ in bucket_shapes] for bucket_shapes in shapes]
+
+
 # Settings under which the device keeps some dtypes in a narrower one: values of
 # those dtypes would change in transit, so such leaves are refused.
 _DOWNCASTS = {
@@ -114,10 +201,11 @@ _DOWNCASTS = {
 }
 
 
-class XlaBackend(Backend):
+class XlaTransport(Transport):
+    kernels = XlaKernels()
+
     def __init__(self, device: torch.device | None):
         self.device = torch.device(device) if device is not None else torch_xla.device()
-        self._name = str(self.device)
 
     def validate(self, flat) -> None:
         narrowed = {}
@@ -143,141 +231,21 @@ class XlaBackend(Backend):
     def world_size(self) -> int:
         return xr.world_size()
 
-    def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        computation = _computations.get(
-            ("bitcast", tuple(t.shape), t.dtype, dtype),
-            lambda: xb.create_computation(
-                "xcoll_bitcast", lambda p: p.bitcast(_XLA_TYPES[dtype]), [xb.tensor_shape(t)]
-            ),
-        )
-        return torch_xla._XLAC._xla_user_computation("xla::xcoll_bitcast", [t], computation)[0]
-
-    def concat(
-        self, parts: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]]
-    ) -> torch.Tensor:
-        # One small XLA computation per list of shapes: one node in the traced
-        # graph instead of a reshape per leaf and a cat (10x less tracing at 256
-        # leaves, measured: 0.12 ms against 1.25 ms).
-        computation = _computations.get(
-            ("concat", parts[0].dtype, tuple(shapes)),
-            lambda: xb.create_computation(
-                "xcoll_concat", lambda *ps: _join(ps, shapes), [xb.tensor_shape(p) for p in parts]
-            ),
-        )
-        return torch_xla._XLAC._xla_user_computation("xla::xcoll_concat", list(parts), computation)[
-            0
-        ]
-
-    # A move's buckets are packed by one XLA computation and unpacked by another,
-    # each one node of the traced graph (every torch call a replica thread makes
-    # can hand the GIL to another replica; at W=4 on 2 cores the calls, not the
-    # work, were most of a call's time). They lower _wire's move encoding: float
-    # bits as the integer of the same width, bool as uint8.
-
-    def pack_moves(
-        self, parts: Sequence[Sequence[torch.Tensor]], shapes: Sequence[Sequence[tuple[int, ...]]]
-    ) -> list[torch.Tensor]:
-        dtypes = [p[0].dtype for p in parts]
-        flat = [t for p in parts for t in p]
-
-        def build():
-            def pack(*params):
-                wires, at = [], 0
-                for dtype, bucket_shapes in zip(dtypes, shapes):
-                    ops = params[at : at + len(bucket_shapes)]
-                    at += len(bucket_shapes)
-                    wires.append(_encode(_join(ops, bucket_shapes), dtype))
-                return xb.Op.tuple(wires)
-
-            return xb.create_computation("xcoll_pack", pack, [xb.tensor_shape(t) for t in flat])
-
-        key = ("pack_moves", tuple(dtypes), tuple(tuple(s) for s in shapes))
-        return list(
-            torch_xla._XLAC._xla_user_computation("xla::xcoll_pack", flat, _computations.get(key, build))
-        )
-
-    def unpack_moves(
-        self,
-        results: Sequence[torch.Tensor],
-        dtypes: Sequence[torch.dtype],
-        sizes: Sequence[Sequence[int]],
-        world: int | None,
-    ) -> list[torch.Tensor]:
-        def build():
-            def unpack(*params):
-                out = []
-                for p, dtype, n in zip(params, dtypes, sizes):
-                    p = _decode(p, dtype)
-                    if world and world > 1:  # each slot's (W, size) block made contiguous
-                        p = xb.Op.concat_in_dim(
-                            [
-                                p.reshape([world, sum(n)])
-                                .slice_in_dim(a, a + k * m, 1)
-                                .reshape([world, k, m])
-                                .transpose([1, 0, 2])
-                                .reshape([world * k * m])
-                                for a, k, m in _pack.runs(n)
-                            ],
-                            0,
-                        )
-                    out.append(p)
-                return xb.Op.tuple(out)
-
-            return xb.create_computation(
-                "xcoll_unpack", unpack, [xb.tensor_shape(r) for r in results]
-            )
-
-        key = ("unpack_moves", tuple(dtypes), tuple(tuple(n) for n in sizes), world)
-        return list(
-            torch_xla._XLAC._xla_user_computation(
-                "xla::xcoll_unpack", list(results), _computations.get(key, build)
-            )
-        )
-
-    def split(
-        self, flats: Sequence[torch.Tensor], shapes: Sequence[Sequence[tuple[int, ...]]]
-    ) -> list[list[torch.Tensor]]:
-        # One node with an output per piece, instead of a slice and a reshape
-        # traced per leaf.
-        def build():
-            def cut(*params):
-                pieces = []
-                for p, bucket_shapes in zip(params, shapes):
-                    offset = 0
-                    for shape in bucket_shapes:
-                        n = _pack.numel(shape)
-                        pieces.append(p.slice_in_dim(offset, offset + n, 0).reshape(list(shape)))
-                        offset += n
-                return xb.Op.tuple(pieces)
-
-            return xb.create_computation("xcoll_split", cut, [xb.tensor_shape(f) for f in flats])
-
-        key = ("split", tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes))
-        pieces = iter(
-            torch_xla._XLAC._xla_user_computation(
-                "xla::xcoll_split", list(flats), _computations.get(key, build)
-            )
-        )
-        return [[next(pieces) for _ in bucket_shapes] for bucket_shapes in shapes]
-
-    def _fresh_token(self) -> None:
-        # Isolates each collective from NaN in the results of earlier ones (the
-        # caller's, when sync=False, or this call's), and, from wait(), the
-        # caller's later collectives from this call's.
-        torch_xla._XLAC._set_all_reduce_token(self._name, None)
+    # The token is reset before each collective, which isolates it from NaN in
+    # the results of earlier ones (the caller's, when sync=False, or this
+    # call's), and once after the last (wait), which isolates the caller's
+    # later collectives from this call's.
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
-        self._fresh_token()
-        # xm.all_gather(buf, pin_layout=False) without its token lookup (this
-        # form of all-gather does not use it)
-        return torch_xla._XLAC._xla_all_gather(buf, 0, xr.world_size(), [], False, None, None)
+        _xlac.reset_token(self.device)
+        return _xlac.all_gather(buf, xr.world_size())
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
-        self._fresh_token()
+        _xlac.reset_token(self.device)
         return xm.all_reduce(_REDUCE_TYPES[op], buf, pin_layout=False)
 
     def wait(self) -> None:
-        self._fresh_token()
+        _xlac.reset_token(self.device)
 
     def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
         # Integer sum with zeros from every other replica: exact, and nothing of
@@ -290,12 +258,12 @@ class XlaBackend(Backend):
         sync(self.device)
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return list(torch_xla._XLAC._xla_get_cpu_tensors(list(tensors)))
+        return _xlac.get_cpu_tensors(tensors)
 
     def exchange(self, buf: torch.Tensor) -> torch.Tensor:
         out = self.all_gather(buf)
-        self._fresh_token()
+        _xlac.reset_token(self.device)
         with SYNC_LOCK:  # runs the graph of ``out`` alone, not everything pending
-            torch_xla._XLAC._xla_sync_multi([out], devices=[], wait=False)
-        _wait(self.device)
+            _xlac.sync_only([out])
+        _xlac.wait_device(self.device)
         return self.to_host([out])[0].view(self.world_size(), -1)

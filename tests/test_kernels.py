@@ -1,0 +1,131 @@
+"""The XLA kernels (XLA computations) give the same bits as the torch kernels
+on drawn buckets, NaN payloads included, on one real XLA:CPU replica."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import given
+
+from tests.helpers import PROPERTY
+from tests.replicas import shared_pool
+
+_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32}
+_BITS.update({torch.float16: torch.int16, torch.bfloat16: torch.int16})
+
+
+def _random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Every bit pattern is possible: NaNs with any payload and sign, subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    carrier = _BITS.get(dtype, dtype)
+    info = torch.iinfo(carrier)
+    t = torch.randint(info.min, info.max, shape, generator=g, dtype=carrier)
+    return t.view(dtype) if dtype in _BITS else t
+
+
+def _as_int(kernels, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers, made where ``t`` is (so a download cannot change them)."""
+    if t.dtype in _BITS:
+        t = kernels.bitcast(t, _BITS[t.dtype])
+    return t.cpu()
+
+
+def _both(case):
+    """Runs every kernel of both sets on the same input; returns their outputs as integers."""
+    import torch_xla
+
+    from xcoll._backends.base import TORCH
+    from xcoll._backends.xla import XlaKernels
+
+    parts, world, seed = case
+    dev = torch_xla.device()
+    xla = XlaKernels()
+    shapes = [[tuple(p.shape) for p in bucket] for bucket in parts]
+    dtypes = [bucket[0].dtype for bucket in parts]
+    sizes = [[p.numel() for p in bucket] for bucket in parts]
+    out = {"torch": {}, "xla": {}}
+    on_device = [[p.to(dev) for p in bucket] for bucket in parts]
+    for name, kernels, inputs in (("torch", TORCH, parts), ("xla", xla, on_device)):
+        got = out[name]
+        got["pack"] = [_as_int(kernels, t) for t in kernels.pack(inputs, shapes, encode=True)]
+        got["join"] = [_as_int(kernels, t) for t in kernels.pack(inputs, shapes, encode=False)]
+        wires = [
+            _random_bits(w.dtype, (world * w.numel(),), seed + k).to(inputs[0][0].device)
+            for k, w in enumerate(got["pack"])
+        ]
+        unpacked = kernels.unpack(wires, dtypes, sizes, world)
+        got["unpack"] = [_as_int(kernels, t) for t in unpacked]
+        same_size = kernels.unpack([w[: w.numel() // world] for w in wires], dtypes, sizes, None)
+        got["unpack_flat"] = [_as_int(kernels, t) for t in same_size]
+        pieces = kernels.split(unpacked, [[(world, *s) for s in b] for b in shapes])
+        got["split"] = [[_as_int(kernels, t) for t in b] for b in pieces]
+    return out
+
+
+@st.composite
+def _buckets(draw):
+    shapes = st.lists(st.integers(0, 3), max_size=3).map(tuple)
+    buckets = draw(
+        st.lists(
+            st.tuples(st.sampled_from(_DTYPES), st.lists(shapes, min_size=1, max_size=4)),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    seed = draw(st.integers(0, 2**20))
+    parts = [
+        [_random_bits(dtype, s, seed + 7 * k + j) for j, s in enumerate(bucket_shapes)]
+        for k, (dtype, bucket_shapes) in enumerate(buckets)
+    ]
+    # the XLA pack needs at least one element per bucket (an empty bucket is never sent)
+    parts = [b for b in parts if sum(p.numel() for p in b)]
+    return parts, draw(st.sampled_from([1, 2, 3])), seed
+
+
+@PROPERTY
+@given(case=_buckets())
+def test_xla_kernels_give_the_torch_kernels_bits(case):
+    if not case[0]:
+        return
+    got = shared_pool("xla-cpu-1").run(_both, [case])[0]
+    for what in got["torch"]:
+        for k, (a, b) in enumerate(zip(got["torch"][what], got["xla"][what], strict=True)):
+            pairs = zip(a, b, strict=True) if isinstance(a, list) else [(a, b)]
+            for x, y in pairs:
+                assert x.dtype == y.dtype and x.shape == y.shape, (what, k, x, y)
+                assert torch.equal(x, y), (what, k, x, y)
+
+
+def test_bitcast_agrees_on_every_float_dtype():
+    cases = [(_random_bits(d, (5, 3), 11), i) for d, i in _BITS.items()]
+    got = shared_pool("xla-cpu-1").run(_bitcasts, [cases])[0]
+    for (t, _), (a, b) in zip(cases, got, strict=True):
+        assert torch.equal(a, b), t.dtype
+
+
+def _bitcasts(cases):
+    import torch_xla
+
+    from xcoll._backends.base import TORCH
+    from xcoll._backends.xla import XlaKernels
+
+    out = []
+    for t, carrier in cases:
+        a = TORCH.bitcast(t, carrier)
+        b = XlaKernels().bitcast(t.to(torch_xla.device()), carrier).cpu()
+        out.append((a, b))
+    return out

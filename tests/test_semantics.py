@@ -1,0 +1,217 @@
+"""Documented semantics that once failed, on every world: half-precision means
+rounded once, trees keyed by objects, outputs that never require grad, and
+errors that come before any communication, name the path and reach every
+replica. Reduce's documented edge cases (signed zeros, NaN) bit for bit."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+
+import xcoll
+from tests.helpers import PROPERTY, assert_trees, same_bits
+from tests.replicas import device, to_cpu, to_device
+
+# ---- half-precision means ----------------------------------------------------
+
+
+def _reduce(args):
+    tree, op = args
+    return to_cpu(xcoll.reduce(to_device(tree, device()), op))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_mean_does_not_overflow_where_the_sum_would(pool, dtype):
+    big = torch.tensor([60000.0, -60000.0, 1.0], dtype=dtype)
+    for out in pool.run(_reduce, [({"x": big}, "mean")] * pool.world_size):
+        assert same_bits(out["x"], big), out
+
+
+@st.composite
+def _half_means(draw, world):
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]), "dtype")
+    # Two regimes whose float32 sums are exact (so the rule "sum in float32, divide
+    # in float32, round once" has one answer): large multiples of 32, or tiny
+    # multiples of 2**-24 (subnormal in float16, where rounding twice differs).
+    step, top = draw(st.sampled_from([(32.0, 2040), (2.0**-24, 2**14)]), "regime")
+    n = draw(st.integers(1, 12), "n")
+    ks = st.lists(st.integers(-top, top), min_size=n, max_size=n)
+    values = [torch.tensor(draw(ks), dtype=torch.float64) * step for _ in range(world)]
+    return dtype, [v.to(dtype) for v in values]
+
+
+@PROPERTY
+@given(data=st.data())
+def test_half_means_are_rounded_once(pool, data):
+    dtype, values = data.draw(_half_means(pool.world_size))
+    outs = pool.run(_reduce, [({"x": v}, "mean") for v in values])
+    exact = sum(v.double() for v in values) / pool.world_size
+    expected = exact.to(dtype)  # W is a power of two: float32 holds the exact quotient
+    for out in outs:
+        assert same_bits(out["x"], expected), (values, out["x"], expected)
+
+
+# ---- reduce's edge cases, bit for bit ------------------------------------------
+
+_NAN = float("nan")
+
+
+def _edge_trees(w):
+    """Per rank: values whose documented results are exact bit patterns."""
+    trees = []
+    for r in range(w):
+        trees.append(
+            {
+                "negzero": torch.tensor([-0.0, -0.0, 0.0]),
+                "nan": torch.tensor([_NAN, 1.0]).neg() if r == 0 else torch.tensor([2.0, 3.0]),
+                "payload": torch.tensor([0x7FC1, -1], dtype=torch.int16).view(torch.bfloat16),
+                "half": torch.tensor([-0.0, 1.0], dtype=torch.float16),
+                "py": -0.0,
+            }
+        )
+    return trees
+
+
+def _expected_edges(op, w):
+    nan, pos = float("nan"), 0.0
+    if op == "sum":
+        return {
+            "negzero": torch.tensor([pos, pos, pos]),
+            "nan": torch.tensor([nan, -1.0 + 3.0 * (w - 1)]),
+            "payload": torch.tensor([nan, nan], dtype=torch.bfloat16),
+            "half": torch.tensor([pos, float(w)], dtype=torch.float16),
+            "py": pos,
+        }
+    if op == "max":
+        return {
+            "negzero": torch.tensor([-0.0, -0.0, 0.0]),
+            "nan": torch.tensor([nan, 3.0 if w > 1 else -1.0]),
+            "payload": torch.tensor([nan, nan], dtype=torch.bfloat16),
+            "half": torch.tensor([-0.0, 1.0], dtype=torch.float16),
+            "py": -0.0,
+        }
+    raise AssertionError(op)
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_reduce_edge_cases_bit_for_bit(pool, op):
+    w = pool.world_size
+    outs = pool.run(_reduce, [(t, op) for t in _edge_trees(w)])
+    expected = _expected_edges(op, w)
+    for out in outs:
+        # NaN results are the quiet NaN float("nan"), whatever went in
+        assert_trees(out, expected, same_bits, op)
+
+
+# ---- trees keyed by objects ------------------------------------------------------
+
+
+def _key_function():
+    """A dict key whose repr holds its address, which differs between processes."""
+
+
+class _Key:
+    """A dict key without __repr__: its default repr holds its address."""
+
+    def __eq__(self, other):
+        return isinstance(other, _Key)
+
+    def __hash__(self):
+        return 1
+
+
+def _keyed_by_objects(r):
+    tree = {_key_function: torch.tensor([float(r)]), "n": r}
+    with xcoll.consistency_checks("always"):
+        first = xcoll.gather(to_device(tree, device()), to_cpu=True)
+        again = xcoll.reduce(to_device({_Key(): torch.tensor([1.0])}, device()))
+    return first[_key_function], first["n"], list(again.values())[0].cpu()
+
+
+def test_trees_keyed_by_objects_pass_the_check(pool):
+    w = pool.world_size
+    for x, n, total in pool.run(_keyed_by_objects, list(range(w))):
+        assert x.tolist() == [float(r) for r in range(w)] and n == list(range(w))
+        assert total.tolist() == [float(w)]
+
+
+# ---- requires_grad -----------------------------------------------------------------
+
+
+def _grads(_):
+    dev = device()
+    x = torch.tensor([1.0, 2.0]).to(dev).requires_grad_()
+    tree = {"x": x, "y": x * 2}
+    outs = {
+        "gather": xcoll.gather(tree),
+        "stack": xcoll.gather(tree, stack=True, dim=1),
+        "to_cpu": xcoll.gather(tree, to_cpu=True),
+        "sum": xcoll.reduce(tree),
+        "mean": xcoll.reduce(tree, "mean"),
+        "max": xcoll.reduce(tree, "max"),
+        "broadcast": xcoll.broadcast(tree),
+    }
+    return {k: [(t.requires_grad, t.grad_fn is None) for t in o.values()] for k, o in outs.items()}
+
+
+def test_outputs_never_require_grad(pool):
+    for report in pool.run(_grads, [None] * pool.world_size):
+        for name, flags in report.items():
+            assert flags == [(False, True)] * 2, (name, flags)
+
+
+# ---- errors before any communication, named, on every replica --------------------
+
+
+def _deep():
+    node = root = []
+    for _ in range(1500):
+        child = []
+        node.append(child)
+        node = child
+    return {"ok": 1.0, "deep": root}
+
+
+def _bad_input(args):
+    case, bad = args
+    dev = device()
+    good = {"ok": torch.ones(2).to(dev)}
+    with xcoll.consistency_checks("always"):
+        if not bad:
+            return xcoll.gather(good, to_cpu=True)["ok"]
+        if case == "nested":
+            nested = torch.nested.nested_tensor([torch.ones(2)])
+            return xcoll.gather({"ok": 1.0, "nt": nested}, to_cpu=True)
+        if case == "meta":
+            return xcoll.gather({"ok": 1.0, "m": torch.ones(2, device="meta")}, to_cpu=True)
+        if case == "dim":
+            return xcoll.gather(good, dim=1.0, to_cpu=True)
+        if case == "deep":
+            return xcoll.gather(_deep(), to_cpu=True)
+    raise AssertionError(case)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize(
+    "case, kind, named",
+    [
+        ("nested", "TypeError", "tree['nt']: nested tensors"),
+        ("meta", "TypeError", "tree['m']: a meta tensor"),
+        ("dim", "TypeError", "dim must be an int"),
+        ("deep", "ValueError", "tree['deep'][0][0][0]"),
+    ],
+)
+def test_bad_input_raises_before_communicating_on_every_replica(pool, case, kind, named):
+    w = pool.world_size
+    failures = pool.run(
+        _bad_input, [(case, r == 0) for r in range(w)], return_exceptions=True, timeout=120
+    )
+    assert failures[0].type_name == f"builtins.{kind}", failures[0]
+    assert named in failures[0].message
+    for f in failures[1:]:  # the others quote it instead of waiting for rank 0
+        assert f.type_name == "xcoll._check.CollectiveMismatchError", f
+        assert named in f.message and "rank 0" in f.message
+    again = pool.run(_bad_input, [(case, False)] * w)  # the replicas go on
+    assert all(t.tolist() == [1.0, 1.0] * w for t in again)

@@ -1,0 +1,134 @@
+"""The shape of the code: no import cycles, one flatten per call, private
+torch_xla calls in one module, and every docstring example runs."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import importlib
+import pathlib
+
+import optree
+import pytest
+import torch
+
+import xcoll
+
+ROOT = pathlib.Path(xcoll.__file__).parent
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """xcoll modules that ``name`` imports anywhere (functions included). A
+    package's implicit import by its submodules is not an edge."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from pkg import mod`` imports the submodule mod, else pkg itself
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            ]
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != name)
+    return found
+
+
+def test_no_import_cycles_even_inside_functions():
+    modules = _modules()
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = path[path.index(n) :] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    # the layers the design names, in order (each may import only earlier ones)
+    assert "xcoll._call" not in graph["xcoll._check"]
+    assert graph["xcoll._backends.base"] <= {"xcoll._pack", "xcoll._wire", "xcoll._tree"}
+
+
+def test_private_torch_xla_calls_live_in_one_module():
+    users = sorted(
+        str(p.relative_to(ROOT.parent))
+        for p in ROOT.rglob("*.py")
+        if "_XLAC" in p.read_text() and p.name != "_xlac.py"
+    )
+    assert users == []
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_docstring_examples_run(name):
+    if name.startswith("xcoll._backends.xla") or name == "xcoll._backends._xlac":
+        pytest.importorskip("torch_xla")
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+def test_the_public_functions_have_examples():
+    for name in ["gather", "reduce", "broadcast", "gather_object", "broadcast_object", "barrier"]:
+        assert ">>>" in getattr(xcoll, name).__doc__, name
+
+
+class _CountFlattens:
+    """Counts optree flattens of one tree object (the public call's input)."""
+
+    def __init__(self, monkeypatch, tree):
+        self.count, self.tree = 0, tree
+        original = optree.tree_flatten
+
+        def counting(t, *args, **kwargs):
+            if t is self.tree:
+                self.count += 1
+            return original(t, *args, **kwargs)
+
+        monkeypatch.setattr(optree, "tree_flatten", counting)
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: xcoll.gather(t),
+        lambda t: xcoll.gather(t, dim=0, uneven=True),
+        lambda t: xcoll.gather(t, max_size=4),
+        lambda t: xcoll.reduce(t, {"a": "mean", "b": {"c": "max", "d": "sum"}}),
+        lambda t: xcoll.broadcast(t, src=0),
+    ],
+    ids=["gather", "uneven", "max_size", "reduce", "broadcast"],
+)
+def test_each_call_flattens_its_tree_once(monkeypatch, call, mode):
+    # fresh shapes each time, so that nothing is served from a cache
+    tree = {"a": torch.ones(3), "b": {"c": torch.ones(2, 2), "d": 2.5}}
+    counter = _CountFlattens(monkeypatch, tree)
+    with xcoll.consistency_checks(mode):
+        call(tree)
+        call(tree)
+    assert counter.count == 2

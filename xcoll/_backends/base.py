@@ -1,0 +1,155 @@
+"""The backend boundary, in two halves.
+
+* :class:`Transport`: what a collectives engine provides: ``rank``,
+  ``world_size``, ``all_gather``, ``all_reduce``, ``broadcast``, ``wait``,
+  ``sync``, ``to_host`` and ``exchange`` (a small gather run on its own).
+* :class:`Kernels`: how packed buffers are built and cut on the engine's
+  device: ``pack``, ``unpack``, ``split`` and ``bitcast``. The torch
+  implementation here serves every device; the XLA backend has its own, made of
+  XLA computations (one graph node each instead of a torch call per leaf), and a
+  test checks that both give the same bits.
+
+Nothing here knows a device type, and this module imports nothing above it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from .. import _pack, _wire
+from .._tree import Flat
+
+
+class Kernels:
+    """Packing kernels in torch ops that every device lowers.
+
+    ``parts`` are a bucket's tensors (any shape, one dtype), ``shapes`` their
+    shapes, ``sizes`` a bucket's slot sizes (:attr:`xcoll._pack.Bucket.sizes`).
+    """
+
+    def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Reinterprets the bits of ``t`` as ``dtype`` (same element size)."""
+        return t.view(dtype)
+
+    def pack(
+        self,
+        parts: Sequence[Sequence[torch.Tensor]],
+        shapes: Sequence[Sequence[tuple[int, ...]]],
+        encode: bool,
+    ) -> list[torch.Tensor]:
+        """For each bucket, its ``parts`` (of ``shapes``) flattened and joined
+        into one new 1-d tensor; with ``encode``, in the form that moves it bit
+        for bit (:func:`xcoll._wire.encode_move`)."""
+        joined = [_pack.concat(p) for p in parts]
+        return [_wire.encode_move(j, self.bitcast) for j in joined] if encode else joined
+
+    def unpack(
+        self,
+        results: Sequence[torch.Tensor],
+        dtypes: Sequence[torch.dtype],
+        sizes: Sequence[Sequence[int]],
+        world: int | None,
+    ) -> list[torch.Tensor]:
+        """Inverse of ``pack(..., encode=True)`` on the collectives' results:
+        each decoded to its bucket's dtype, 1-d. With ``world`` (a gather's
+        ``(world * size,)`` results) each slot's ``(world, size)`` block is made
+        contiguous (:func:`xcoll._pack.slot_major`)."""
+        out = []
+        for r, dtype, n in zip(results, dtypes, sizes, strict=True):
+            r = _wire.decode_move(r, dtype, self.bitcast)
+            out.append(_pack.slot_major(r.view(world, -1), n) if world else r)
+        return out
+
+    def split(
+        self, flats: Sequence[torch.Tensor], shapes: Sequence[Sequence[tuple[int, ...]]]
+    ) -> list[list[torch.Tensor]]:
+        """Each 1-d tensor of ``flats`` cut into consecutive pieces of its ``shapes``."""
+        return [_pack.split(f, s) for f, s in zip(flats, shapes, strict=True)]
+
+
+#: The torch kernels (also what host buffers are cut with).
+TORCH = Kernels()
+
+
+class Transport(ABC):
+    """One replica's view of a collectives engine, for one call.
+
+    Every collective takes a 1-d buffer that the transport may consume (it is
+    a packed copy, never a caller's tensor) and returns a tensor on the
+    buffer's device that holds the result once :meth:`wait` has returned. Lazy
+    engines (XLA) trace it and run it at :meth:`sync`; eager ones start it
+    asynchronously and finish every collective of the call in :meth:`wait`.
+    """
+
+    #: Device of the leaves; Python scalars are uploaded here.
+    device: torch.device
+    #: How this engine's device packs and cuts buffers.
+    kernels: Kernels = TORCH
+
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @abstractmethod
+    def world_size(self) -> int: ...
+
+    def upload(self, cpu: torch.Tensor) -> torch.Tensor:
+        return cpu.to(self.device)
+
+    @abstractmethod
+    def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
+        """``(n,)`` -> ``(W * n,)``: every replica's buffer, in rank order."""
+
+    @abstractmethod
+    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        """Elementwise ``op`` ("sum", "prod", "max", "min") over all replicas."""
+
+    @abstractmethod
+    def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        """Replica ``src``'s integer buffer, bit for bit, on every replica."""
+
+    def validate(self, flat: Flat) -> None:
+        """Refuses leaves this engine would change in transit (raises TypeError)."""
+
+    def wait(self) -> None:
+        """Waits for the collectives started so far (lazy engines: nothing to wait for)."""
+
+    def sync(self) -> None:
+        """Runs everything traced so far (no-op for eager engines)."""
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU copies of ``tensors``, fetched together."""
+        return [t.cpu() for t in tensors]
+
+    def exchange(self, buf: torch.Tensor) -> torch.Tensor:
+        """Every replica's 1-d ``buf`` as a ``(W, n)`` CPU tensor, run on its own:
+        on lazy engines nothing else pending joins it (the caller's pending
+        work may differ between replicas, as it does when their calls do)."""
+        out = self.all_gather(buf)
+        self.wait()
+        self.sync()
+        return self.to_host([out])[0].view(self.world_size(), -1)
+
+
+class LocalTransport(Transport):
+    """A single process with no collectives engine: world size 1."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+    def rank(self) -> int:
+        return 0
+
+    def world_size(self) -> int:
+        return 1
+
+    def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.clone()
+
+    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        return buf.clone()
+
+    def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        return buf.clone()

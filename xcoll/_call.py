@@ -1,0 +1,441 @@
+"""One call of a collective: flatten once, resolve the backend once, plan
+(cached), check, run, unflatten.
+
+Each collective is a small :class:`Op` object (:class:`Gather`,
+:class:`Reduce`, :class:`Broadcast`) that says how its buckets are keyed,
+which collective a bucket takes and how a leaf's slice of the result becomes
+the output leaf. :func:`call` is what a public function runs; :func:`run` is
+what xcoll's own modules run on trees they built themselves (no check: the
+public call that made them was checked).
+
+Pipeline of :func:`execute`: pack every live bucket (one kernel call), start
+one collective per bucket, wait once, unpack (one kernel call), then cut into
+outputs: on the device with one kernel call, or on the host with a torch call
+per run of equal shapes after one fetch per buffer (``to_cpu``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _backends, _check, _memo, _pack, _tree, _wire
+from ._backends.base import TORCH, Kernels, Transport
+
+OPS = ("sum", "mean", "max", "min", "prod")
+
+# The collective each (kind of dtype, op) takes. Missing pairs are refused:
+# mean of integers would need a dtype change; sum of bools is ambiguous (count or
+# any); max/min are not defined for complex numbers, which xcoll refuses anyway.
+_FLOAT_OPS = {"sum": "sum", "mean": "sum", "prod": "prod", "max": "max", "min": "min"}
+_INT_OPS = {"sum": "sum", "prod": "prod", "max": "max", "min": "min"}
+_BOOL_OPS = {"max": "max", "min": "min", "prod": "min"}
+_REFUSED = {
+    "mean": "mean needs a floating dtype (convert first, e.g. x.float())",
+    "sum": 'sum of bools is ambiguous: use "max" for any, "min" for all, or sum x.int() to count',
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one op moves one kind of tree (built once per op parameters, world
+    size and :attr:`_tree.Flat.key`, then reused; building validates the call,
+    so a call that raises leaves nothing behind)."""
+
+    buckets: list[_pack.Bucket]
+    #: Per bucket: each tensor slot's output shape (before :meth:`Op.finish`),
+    #: then, if it has Python scalars, the shape of their block, ``(*lead, k)``.
+    shapes: list[tuple[tuple[int, ...], ...]]
+    #: What the replicas must agree on (the consistency check compares it).
+    description: _check.Description
+    #: Gather: leaf -> the dim its replica axis moves to (:meth:`Gather.finish`);
+    #: an uneven gather: leaf -> the dim that may differ between replicas.
+    dims: Mapping[int, int] = field(default_factory=dict)
+    #: Reduce: per bucket, the ranges of mean elements (divided by W).
+    means: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+
+def _layout(
+    flat: _tree.Flat,
+    keys: Sequence[Hashable],
+    dtypes: Sequence[torch.dtype],
+    lead: tuple[int, ...],
+    shape,
+    description: _check.Description,
+    first: frozenset[int] = frozenset(),
+    **extra: Any,
+) -> Plan:
+    buckets = _pack.plan(flat.leaves, keys, dtypes, first)
+    shapes = [
+        tuple(shape(s.leaf) for s in b.tensors) + ((lead + (len(b.scalars),),) if b.scalars else ())
+        for b in buckets
+    ]
+    return Plan(buckets, shapes, description, **extra)
+
+
+def dtype_of(leaf: Any) -> torch.dtype:
+    return leaf.dtype if isinstance(leaf, torch.Tensor) else _tree.scalar_dtype(leaf)
+
+
+def _leaf_shape(flat: _tree.Flat):
+    return lambda i: tuple(flat.leaves[i].shape)
+
+
+_plans: _memo.Memo[Plan] = _memo.Memo()
+
+
+class Op(ABC):
+    """A collective call's kind: how it is described, validated and planned."""
+
+    name: str
+
+    def head(self, sync: bool, to_cpu: bool) -> str:
+        """The call's parameters, as the consistency check compares them."""
+        return f"sync={sync}"
+
+    def validate(self, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> None:
+        """Checks of the call's arguments that are not cached with the plan."""
+        if sync:
+            return
+        if to_cpu:
+            raise ValueError("to_cpu=True needs sync=True: host values exist only after execution")
+        if flat.scalars:
+            raise ValueError(
+                f"{flat.path(flat.scalars[0])}: a Python scalar leaf needs sync=True (its value is "
+                "known only after execution); pass a tensor to trace it into the pending graph"
+            )
+
+    @abstractmethod
+    def key(self, flat: _tree.Flat, world: int) -> Hashable:
+        """Everything :meth:`plan` depends on (it is cached under this key)."""
+
+    @abstractmethod
+    def plan(self, flat: _tree.Flat, world: int) -> Plan:
+        """Validates the call for ``flat`` and lays out its buckets."""
+
+    @abstractmethod
+    def run(self, flat: _tree.Flat, transport: Transport, plan: Plan, sync: bool, to_cpu: bool):
+        """Communicates and returns the output tree."""
+
+
+class Packed(Op):
+    """A collective that moves packed buckets, one collective each (:func:`execute`)."""
+
+    def pack(self, kernels: Kernels, plan: Plan, live: list[int], parts) -> list[torch.Tensor]:
+        """The wire buffer of each live bucket (indices into ``plan.buckets``)."""
+        return kernels.pack(parts, [plan.buckets[k].part_shapes for k in live], encode=True)
+
+    @abstractmethod
+    def send(self, transport: Transport, wire: torch.Tensor, bucket: _pack.Bucket) -> torch.Tensor:
+        """Starts the bucket's collective."""
+
+    def unpack(
+        self, kernels: Kernels, plan: Plan, live: list[int], results, world: int
+    ) -> list[torch.Tensor]:
+        """Each result as a 1-d buffer of the bucket's dtype in which each slot's
+        block is contiguous, in slot order (the Python scalars' block last)."""
+        buckets = [plan.buckets[k] for k in live]
+        return kernels.unpack(results, [b.dtype for b in buckets], [b.sizes for b in buckets], None)
+
+    def finish(self, plan: Plan, i: int, t: torch.Tensor, world: int) -> torch.Tensor:
+        """Leaf ``i``'s piece, for the leaves in ``plan.dims``."""
+        return t
+
+    def scalar(self, block: torch.Tensor, like: Any) -> Any:
+        """A Python scalar leaf's output from its slice of the scalar block."""
+        return _tree.to_python(block, like)
+
+    def run(self, flat, transport, plan, sync, to_cpu):
+        return execute(self, flat, transport, plan, sync=sync, to_cpu=to_cpu)
+
+
+@dataclass(frozen=True)
+class Gather(Packed):
+    dim: int = 0
+    stack: bool = False
+    name = "xcoll.gather"
+
+    def head(self, sync, to_cpu):
+        return (
+            f"dim={self.dim} stack={self.stack} uneven=False max_size=None "
+            f"to_cpu={to_cpu} sync={sync}"
+        )
+
+    def validate(self, flat, transport, sync, to_cpu):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"dim must be an int, got {self.dim!r}")
+        super().validate(flat, transport, sync, to_cpu)
+
+    def key(self, flat, world):
+        return ("gather", self.dim, self.stack, world, flat.key)
+
+    def plan(self, flat, world):
+        dims = {
+            i: self._dim(flat, i)
+            for i, leaf in enumerate(flat.leaves)
+            if isinstance(leaf, torch.Tensor)
+        }
+
+        def shape(i: int) -> tuple[int, ...]:
+            leaf_shape = tuple(flat.leaves[i].shape)
+            if dims[i] == 0 and not self.stack and leaf_shape:  # concatenated along dim 0
+                return (world * leaf_shape[0], *leaf_shape[1:])
+            return (world, *leaf_shape)  # stacked, or moved into place by finish
+
+        dtypes = [dtype_of(leaf) for leaf in flat.leaves]
+        moved = {i: d for i, d in dims.items() if d}
+        return _layout(flat, dtypes, dtypes, (world,), shape, _check.describe(flat), dims=moved)
+
+    def _dim(self, flat: _tree.Flat, i: int) -> int:
+        ndim = flat.leaves[i].dim()
+        if ndim == 0:
+            return 0
+        n = ndim + 1 if self.stack else ndim
+        if not -n <= self.dim < n:
+            raise ValueError(
+                f"{flat.path(i)}: dim={self.dim} is out of range for a leaf of shape "
+                f"{tuple(flat.leaves[i].shape)}"
+            )
+        return self.dim % n
+
+    def send(self, transport, wire, bucket):
+        return transport.all_gather(wire)
+
+    def unpack(self, kernels, plan, live, results, world):
+        buckets = [plan.buckets[k] for k in live]
+        return kernels.unpack(
+            results, [b.dtype for b in buckets], [b.sizes for b in buckets], world
+        )
+
+    def finish(self, plan, i, t, world):  # (W, *shape) -> (*shape[:d], W, *shape[d:])
+        d = plan.dims[i]
+        t = t.movedim(0, d)
+        if self.stack:
+            return t
+        pre = t.shape
+        return t.reshape(*pre[:d], world * pre[d + 1], *pre[d + 2 :])
+
+    def scalar(self, block, like):
+        return [_tree.to_python(v, like) for v in block]
+
+
+@dataclass(frozen=True)
+class Reduce(Packed):
+    op: Any = "sum"
+    name = "xcoll.reduce"
+
+    def key(self, flat, world):
+        return ("reduce", _tree.prefix_key(self.op), world, flat.key)
+
+    def plan(self, flat, world):
+        ops = _tree.broadcast_prefix(self.op, flat, "op")
+        keys = []
+        for i, leaf in enumerate(flat.leaves):
+            dtype = dtype_of(leaf)
+            table = (
+                _BOOL_OPS
+                if dtype == torch.bool
+                else _FLOAT_OPS
+                if dtype.is_floating_point
+                else _INT_OPS
+            )
+            if not isinstance(ops[i], str) or ops[i] not in OPS:
+                raise ValueError(
+                    f"{flat.path(i)}: unknown op {ops[i]!r}; expected one of {', '.join(OPS)}"
+                )
+            if ops[i] not in table:
+                raise TypeError(
+                    f"{flat.path(i)}: op {ops[i]!r} is not defined for {dtype}; {_REFUSED[ops[i]]}"
+                )
+            keys.append((dtype, table[ops[i]]))
+        means = frozenset(i for i, o in enumerate(ops) if o == "mean")
+        plan = _layout(
+            flat,
+            keys,
+            [k[0] for k in keys],
+            (),
+            _leaf_shape(flat),
+            _check.describe(flat, ops=ops),
+            first=means,
+        )
+        return dataclasses.replace(plan, means=tuple(_ranges(b, means) for b in plan.buckets))
+
+    def pack(self, kernels, plan, live, parts):
+        joined = kernels.pack(parts, [plan.buckets[k].part_shapes for k in live], encode=False)
+        return [
+            _wire.encode_reduce(j, plan.buckets[k].key[1], kernels.bitcast)
+            for j, k in zip(joined, live, strict=True)
+        ]
+
+    def send(self, transport, wire, bucket):
+        return transport.all_reduce(wire, bucket.key[1])
+
+    def unpack(self, kernels, plan, live, results, world):
+        return [
+            _wire.decode_reduce(
+                r,
+                plan.buckets[k].dtype,
+                plan.buckets[k].key[1],
+                kernels.bitcast,
+                plan.means[k],
+                world,
+            )
+            for r, k in zip(results, live, strict=True)
+        ]
+
+
+def _ranges(bucket: _pack.Bucket, leaves: frozenset[int]) -> tuple[tuple[int, int], ...]:
+    """The element ranges of ``leaves``' slots in ``bucket``, adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for s in bucket.tensors + bucket.scalars:
+        if s.leaf in leaves:
+            if out and out[-1][1] == s.offset:
+                out[-1] = (out[-1][0], s.offset + s.numel)
+            else:
+                out.append((s.offset, s.offset + s.numel))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Broadcast(Packed):
+    src: int = 0
+    name = "xcoll.broadcast"
+
+    def head(self, sync, to_cpu):
+        return f"src={self.src} sync={sync}"
+
+    def validate(self, flat, transport, sync, to_cpu):
+        super().validate(flat, transport, sync, to_cpu)
+        w = transport.world_size()
+        if isinstance(self.src, bool) or not isinstance(self.src, int) or not 0 <= self.src < w:
+            raise ValueError(f"src={self.src!r} is not a replica rank: world size is {w}")
+
+    def key(self, flat, world):
+        return ("broadcast", flat.key)
+
+    def plan(self, flat, world):
+        dtypes = [dtype_of(leaf) for leaf in flat.leaves]
+        return _layout(flat, dtypes, dtypes, (), _leaf_shape(flat), _check.describe(flat))
+
+    def send(self, transport, wire, bucket):
+        return transport.broadcast(wire, self.src)
+
+
+def _prepare(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> Plan:
+    op.validate(flat, transport, sync, to_cpu)
+    w = transport.world_size()
+    return _plans.get(op.key(flat, w), lambda: op.plan(flat, w))
+
+
+def call(op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = False) -> Any:
+    """A public call: ``tree`` flattened once, its backend resolved once, the
+    plan taken from the cache (or built, which validates), the consistency
+    check when due (a local error is shared with every replica), then run."""
+    flat = transport = plan = error = None
+    try:
+        flat = _tree.flatten(tree)
+        transport = _backends.resolve(flat, group)
+        plan = _prepare(op, flat, transport, sync, to_cpu)
+    except (TypeError, ValueError) as e:
+        error = e
+    if _check.due():
+        _check.verify(
+            transport or _backends.current(group),
+            op.name,
+            op.head(sync, to_cpu),
+            None if plan is None else plan.description,
+            error,
+        )
+    if error is not None:
+        raise error
+    return op.run(flat, transport, plan, sync, to_cpu)
+
+
+def run(op: Packed, tree: Any, transport: Transport, *, to_cpu: bool = False) -> Any:
+    """``op`` on a tree that xcoll built itself, on ``transport``, synchronously."""
+    flat = _tree.flatten(tree)
+    transport.validate(flat)
+    return execute(op, flat, transport, _prepare(op, flat, transport, True, to_cpu), to_cpu=to_cpu)
+
+
+def execute(
+    op: Packed,
+    flat: _tree.Flat,
+    transport: Transport,
+    plan: Plan,
+    *,
+    sync: bool = True,
+    to_cpu: bool = False,
+) -> Any:
+    """Runs one collective per bucket and returns the output tree.
+
+    Outputs never require grad (collectives are not differentiated) and never
+    alias the inputs. Python scalar leaves come back as Python values.
+    """
+    with torch.no_grad():
+        out = _execute(op, flat, transport, plan, sync, to_cpu)
+    for i in flat.scalars:
+        out[i] = op.scalar(out[i], flat.leaves[i])
+    return flat.unflatten(out)
+
+
+def _execute(op, flat, transport, plan, sync, to_cpu) -> list[Any]:
+    w = transport.world_size()
+    out: list[Any] = [None] * len(flat.leaves)
+    live: list[int] = []
+    for k, (b, shapes) in enumerate(zip(plan.buckets, plan.shapes, strict=True)):
+        if b.size:
+            live.append(k)
+            continue
+        for s, shape in zip(b.tensors, shapes, strict=True):  # only empty tensors: nothing to send
+            device = "cpu" if to_cpu else flat.leaves[s.leaf].device
+            t = torch.empty(shape, dtype=b.dtype, device=device)
+            out[s.leaf] = op.finish(plan, s.leaf, t, w) if s.leaf in plan.dims else t
+    if not live:
+        return out
+    buckets = [plan.buckets[k] for k in live]
+    shapes = [plan.shapes[k] for k in live]
+    parts = [_pack.parts(b, flat.leaves, transport.upload) for b in buckets]
+    wires = op.pack(transport.kernels, plan, live, parts)
+    del parts
+    results = [op.send(transport, wire, b) for wire, b in zip(wires, buckets, strict=True)]
+    del wires
+    try:
+        transport.wait()  # eager engines started every collective asynchronously
+    except RuntimeError as e:  # e.g. gloo's timeout when a replica never arrives
+        raise RuntimeError(
+            f"{op.name}: a collective did not complete on rank {transport.rank()}: {e}"
+        ) from e
+    flats = op.unpack(transport.kernels, plan, live, results, w)
+    del results
+    if to_cpu:
+        transport.sync()
+        pieces = TORCH.split(transport.to_host(flats), shapes)
+    else:
+        # Outputs are traced before the sync so that it materialises them; only
+        # they and the scalar blocks stay referenced, so they alone become graph
+        # outputs.
+        pieces = transport.kernels.split(flats, shapes)
+    del flats
+    blocks = []
+    for b, bucket_pieces in zip(buckets, pieces, strict=True):
+        for s, t in zip(b.tensors, bucket_pieces, strict=False):  # the scalar block is extra
+            out[s.leaf] = op.finish(plan, s.leaf, t, w) if s.leaf in plan.dims else t
+        if b.scalars:
+            blocks.append(bucket_pieces[-1])
+    del pieces, bucket_pieces  # a finished leaf's piece must not become a graph output
+    if not to_cpu:
+        if sync:
+            transport.sync()
+        if blocks:
+            blocks = transport.to_host(blocks)
+    scalar_buckets = [b for b in buckets if b.scalars]
+    for b, block in zip(scalar_buckets, blocks, strict=True):
+        for j, s in enumerate(b.scalars):
+            out[s.leaf] = block[..., j]
+    return out
