@@ -33,37 +33,43 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def measure(args: tuple[str, str, int, int]) -> float:
-    """Median seconds per call of ``what`` ("gather", "reduce-sum", "reduce-dict")."""
+def measure(args: tuple[tuple[tuple[str, str], ...], int, int]) -> list[float]:
+    """Median seconds per call of each variant ``(what, check mode)``, ``what``
+    one of "gather", "reduce-sum", "reduce-dict". The variants alternate call by
+    call, so that each sees the same conditions (on 2 cores a gloo call's time
+    drifts by 2x over seconds)."""
     import xcoll
 
-    what, mode, leaves, repeats = args
+    variants, leaves, repeats = args
     dev = _device()
     g = torch.Generator().manual_seed(xcoll.rank())
     tree = {f"leaf{i:03d}": torch.randn(8, 16, generator=g).to(dev) for i in range(leaves)}
     ops = {k: "sum" for k in tree}
-    times = []
-    with xcoll.consistency_checks(mode):
-        for _ in range(3 + repeats):
-            t0 = time.perf_counter()
-            if what == "gather":
-                xcoll.gather(tree, to_cpu=True)
-            else:
-                out = xcoll.reduce(tree, ops if what == "reduce-dict" else "sum")
-                out["leaf000"].cpu()  # waits for the result, as a user reading it would
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times[3:])
+    times: list[list[float]] = [[] for _ in variants]
+    for _ in range(3 + repeats):
+        for (what, mode), t in zip(variants, times, strict=True):
+            with xcoll.consistency_checks(mode):
+                t0 = time.perf_counter()
+                if what == "gather":
+                    xcoll.gather(tree, to_cpu=True)
+                else:
+                    out = xcoll.reduce(tree, ops if what == "reduce-dict" else "sum")
+                    out["leaf000"].cpu()  # waits for the result, as a user reading it would
+                t.append(time.perf_counter() - t0)
+    return [statistics.median(t[3:]) for t in times]
 
 
-def _time(pool, args, counted: bool) -> tuple[float, str]:
+def _time(pool, args, counted: bool) -> tuple[list[float], str]:
+    """Rank 0's medians, and (``counted``) executions per call per replica."""
     w = pool.world_size
-    pool.run(measure, [(*args[:3], 1)] * w)  # compile, plan, first-call check
+    pool.run(measure, [(*args[:2], 1)] * w)  # compile, plan, first-call check
     c0 = pool.run(xla_counters)[0] if counted else None
     t = pool.run(measure, [args] * w)[0]
     if c0 is None:
         return t, ""
     c1 = pool.run(xla_counters)[0]
-    return t, f"{(c1['executions'] - c0['executions']) / ((3 + args[3]) * w):g}"
+    calls = (3 + args[2]) * len(args[0]) * w
+    return t, f"{(c1['executions'] - c0['executions']) / calls:g}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,15 +88,21 @@ def main(argv: list[str] | None = None) -> None:
     for name, pool in pools:
         with pool:
             for leaves in (8, 256):
-                never, _ = _time(pool, ("gather", "never", leaves, n), False)
-                always, ex = _time(pool, ("gather", "always", leaves, n), name == "XLA:CPU")
+                (never, always), _ = _time(
+                    pool, ((("gather", "never"), ("gather", "always")), leaves, n), False
+                )
+                _, ex = (
+                    _time(pool, ((("gather", "always"),), leaves, 5), True)
+                    if name == "XLA:CPU"
+                    else (None, "")
+                )
                 print(
                     f"| {name} | {pool.world_size} | {leaves} | {never * 1e3:.2f} | "
                     f"{always * 1e3:.2f} | {always / never:.2f}x | {ex} |"
                 )
             if name == "gloo" and pool.world_size == 2:
-                summed, _ = _time(pool, ("reduce-sum", "never", 64, n), False)
-                per_leaf, _ = _time(pool, ("reduce-dict", "never", 64, n), False)
+                variants = (("reduce-sum", "never"), ("reduce-dict", "never"))
+                (summed, per_leaf), _ = _time(pool, (variants, 64, n), False)
                 reduce_line = (
                     f'\ngloo W=2, xcoll.reduce of 64 float32 (8, 16) leaves: op="sum" '
                     f"{summed * 1e3:.2f} ms, a dict of 64 ops {per_leaf * 1e3:.2f} ms "

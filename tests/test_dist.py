@@ -180,8 +180,11 @@ def _all_ops(args):
 @PROPERTY
 @given(data=st.data())
 def test_same_results_on_xla_and_gloo(data):
-    op = data.draw(st.sampled_from(["sum", "prod", "max", "min"]), "op")
-    dtypes = [d for d in S.DTYPES if d != torch.bool] if op == "sum" else S.DTYPES
+    op = data.draw(st.sampled_from(["sum", "mean", "prod", "max", "min"]), "op")
+    dtypes = {
+        "sum": [d for d in S.DTYPES if d != torch.bool],
+        "mean": [d for d in S.DTYPES if d.is_floating_point],
+    }.get(op, S.DTYPES)
     skeleton = data.draw(
         st.dictionaries(st.text("ab", min_size=1, max_size=2), S._tensor_specs(dtypes), max_size=4),
         "skeleton",

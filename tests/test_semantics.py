@@ -152,6 +152,8 @@ def _grads(_):
         "mean": xcoll.reduce(tree, "mean"),
         "max": xcoll.reduce(tree, "max"),
         "broadcast": xcoll.broadcast(tree),
+        "uneven": xcoll.gather(tree, uneven=True),
+        "max_size": xcoll.gather(tree, max_size=4),
     }
     return {k: [(t.requires_grad, t.grad_fn is None) for t in o.values()] for k, o in outs.items()}
 

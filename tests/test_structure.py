@@ -7,6 +7,7 @@ import ast
 import doctest
 import importlib
 import pathlib
+import re
 
 import optree
 import pytest
@@ -15,6 +16,21 @@ import torch
 import xcoll
 
 ROOT = pathlib.Path(xcoll.__file__).parent
+
+
+LAYERS = [
+    ["xcoll._memo", "xcoll._pack", "xcoll._wire", "xcoll._codec"],
+    ["xcoll._tree"],
+    ["xcoll._backends.base", "xcoll._backends._xlac"],
+    ["xcoll._backends.xla", "xcoll._backends.dist"],
+    ["xcoll._backends"],
+    ["xcoll._exchange"],
+    ["xcoll._check"],
+    ["xcoll._call"],
+    ["xcoll._uneven", "xcoll._samples"],
+    ["xcoll._collectives"],
+    ["xcoll._objects", "xcoll._rng"],
+]
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -69,16 +85,21 @@ def test_no_import_cycles_even_inside_functions():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
-    # the layers the design names, in order (each may import only earlier ones)
-    assert "xcoll._call" not in graph["xcoll._check"]
-    assert graph["xcoll._backends.base"] <= {"xcoll._pack", "xcoll._wire", "xcoll._tree"}
+    # the layers docs/design.md names, in order: each imports only earlier ones
+    seen: set[str] = set()
+    for layer in LAYERS:
+        for m in layer:
+            assert graph[m] <= seen | set(layer) - {m}, (m, graph[m] - seen)
+        seen |= set(layer)
+    assert seen >= {m for m in graph if m.startswith("xcoll._")} - {"xcoll._backends"}
 
 
 def test_private_torch_xla_calls_live_in_one_module():
+    private = re.compile(r"_XLAC|torch_xla\._internal|runtime\._\w")
     users = sorted(
         str(p.relative_to(ROOT.parent))
         for p in ROOT.rglob("*.py")
-        if "_XLAC" in p.read_text() and p.name != "_xlac.py"
+        if private.search(p.read_text()) and p.name != "_xlac.py"
     )
     assert users == []
 
@@ -97,19 +118,33 @@ def test_the_public_functions_have_examples():
         assert ">>>" in getattr(xcoll, name).__doc__, name
 
 
+_TRAVERSALS = [
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_flatten_with_accessor",
+    "tree_leaves",
+    "tree_structure",
+    "tree_map",
+    "tree_paths",
+    "tree_broadcast_prefix",
+]
+
+
 class _CountFlattens:
-    """Counts optree flattens of one tree object (the public call's input)."""
+    """Counts optree traversals of one tree object (the public call's input),
+    by any of optree's functions that walk a whole tree."""
 
     def __init__(self, monkeypatch, tree):
         self.count, self.tree = 0, tree
-        original = optree.tree_flatten
+        for name in _TRAVERSALS:
+            monkeypatch.setattr(optree, name, self._counting(getattr(optree, name)))
 
-        def counting(t, *args, **kwargs):
-            if t is self.tree:
-                self.count += 1
-            return original(t, *args, **kwargs)
+    def _counting(self, original):
+        def counting(*args, **kwargs):
+            self.count += sum(a is self.tree for a in args)
+            return original(*args, **kwargs)
 
-        monkeypatch.setattr(optree, "tree_flatten", counting)
+        return counting
 
 
 @pytest.mark.parametrize("mode", ["never", "always"])
@@ -125,8 +160,9 @@ class _CountFlattens:
     ids=["gather", "uneven", "max_size", "reduce", "broadcast"],
 )
 def test_each_call_flattens_its_tree_once(monkeypatch, call, mode):
-    # fresh shapes each time, so that nothing is served from a cache
+    # the first call plans (and describes) the tree, the second finds the plan cached
     tree = {"a": torch.ones(3), "b": {"c": torch.ones(2, 2), "d": 2.5}}
+    xcoll._call._plans._values.clear()
     counter = _CountFlattens(monkeypatch, tree)
     with xcoll.consistency_checks(mode):
         call(tree)

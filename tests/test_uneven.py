@@ -95,6 +95,20 @@ def test_other_dims_must_match_and_every_replica_says_so(pool):
     assert pool.run(_sizes_ok, [None] * pool.world_size) == [everyone] * pool.world_size
 
 
+def _one_over_max_size(_):
+    n = 5 if xcoll.rank() == 0 else 2  # only rank 0 exceeds
+    return xcoll.gather({"x": torch.ones(n, 3).to(device())}, max_size=4, to_cpu=True)
+
+
+def test_a_shard_over_max_size_is_an_error_on_every_replica(pool):
+    failures = pool.run(_one_over_max_size, [None] * pool.world_size, return_exceptions=True)
+    for f in failures:  # every replica, not just rank 0, instead of the others hanging
+        assert f.type_name == "builtins.ValueError", f
+        assert "tree['x']: rank 0 has size 5 along dim 0, more than max_size=4" in f.message
+    everyone = [v for r in range(pool.world_size) for v in range(r)]
+    assert pool.run(_sizes_ok, [None] * pool.world_size) == [everyone] * pool.world_size
+
+
 def _sizes_ok(_):
     return xcoll.gather(torch.arange(xcoll.rank()).to(device()), uneven=True, to_cpu=True).tolist()
 
@@ -104,7 +118,9 @@ def test_refused_arguments():
         xcoll.gather(torch.ones(2), uneven=True, stack=True)
     with pytest.raises(ValueError, match="max_size"):
         xcoll.gather(torch.ones(2), max_size=-1)
-    with pytest.raises(ValueError, match="exceeds max_size=1"):
+    with pytest.raises(
+        ValueError, match=r"tree\['x'\]: rank 0 has size 2 along dim 0, more than max_size=1"
+    ):
         xcoll.gather({"x": torch.ones(2)}, max_size=1)
     with pytest.raises(ValueError, match=r"tree\['s'\]"):
         xcoll.gather({"s": torch.tensor(1.0)}, uneven=True)

@@ -8,10 +8,12 @@ the output leaf. :func:`call` is what a public function runs; :func:`run` is
 what xcoll's own modules run on trees they built themselves (no check: the
 public call that made them was checked).
 
-Pipeline of :func:`execute`: pack every live bucket (one kernel call), start
-one collective per bucket, wait once, unpack (one kernel call), then cut into
-outputs: on the device with one kernel call, or on the host with a torch call
-per run of equal shapes after one fetch per buffer (``to_cpu``).
+Pipeline of :func:`execute`: pack every live bucket (one kernel call; a
+reduce then encodes each bucket with a few torch ops), start one collective per
+bucket, wait once, unpack (one kernel call for a move; a few torch ops per
+bucket for a reduce), then cut into outputs: on the device with one kernel
+call, or on the host with a torch call per run of equal shapes after one fetch
+per call (``to_cpu``).
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ class Plan:
     shapes: list[tuple[tuple[int, ...], ...]]
     #: What the replicas must agree on (the consistency check compares it).
     description: _check.Description
-    #: Gather: leaf -> the dim its replica axis moves to (:meth:`Gather.finish`);
-    #: an uneven gather: leaf -> the dim that may differ between replicas.
-    dims: Mapping[int, int] = field(default_factory=dict)
+    #: Gather: leaf -> the dim its replica axis moves to (:meth:`Packed.finish`
+    #: runs for these leaves only).
+    moved: Mapping[int, int] = field(default_factory=dict)
+    #: Uneven gather: leaf -> the dim that may differ between replicas.
+    growing: Mapping[int, int] = field(default_factory=dict)
     #: Reduce: per bucket, the ranges of mean elements (divided by W).
     means: tuple[tuple[tuple[int, int], ...], ...] = ()
 
@@ -76,10 +80,6 @@ def _layout(
         for b in buckets
     ]
     return Plan(buckets, shapes, description, **extra)
-
-
-def dtype_of(leaf: Any) -> torch.dtype:
-    return leaf.dtype if isinstance(leaf, torch.Tensor) else _tree.scalar_dtype(leaf)
 
 
 def _leaf_shape(flat: _tree.Flat):
@@ -119,7 +119,7 @@ class Op(ABC):
         """Validates the call for ``flat`` and lays out its buckets."""
 
     @abstractmethod
-    def run(self, flat: _tree.Flat, transport: Transport, plan: Plan, sync: bool, to_cpu: bool):
+    def apply(self, flat: _tree.Flat, transport: Transport, plan: Plan, sync: bool, to_cpu: bool):
         """Communicates and returns the output tree."""
 
 
@@ -134,23 +134,32 @@ class Packed(Op):
     def send(self, transport: Transport, wire: torch.Tensor, bucket: _pack.Bucket) -> torch.Tensor:
         """Starts the bucket's collective."""
 
+    #: Whether the collective's result holds every replica's buffer (a gather),
+    #: which unpacking makes slot-major.
+    gathers = False
+
     def unpack(
         self, kernels: Kernels, plan: Plan, live: list[int], results, world: int
     ) -> list[torch.Tensor]:
         """Each result as a 1-d buffer of the bucket's dtype in which each slot's
         block is contiguous, in slot order (the Python scalars' block last)."""
         buckets = [plan.buckets[k] for k in live]
-        return kernels.unpack(results, [b.dtype for b in buckets], [b.sizes for b in buckets], None)
+        return kernels.unpack(
+            results,
+            [b.dtype for b in buckets],
+            [b.sizes for b in buckets],
+            world if self.gathers else None,
+        )
 
     def finish(self, plan: Plan, i: int, t: torch.Tensor, world: int) -> torch.Tensor:
-        """Leaf ``i``'s piece, for the leaves in ``plan.dims``."""
+        """Leaf ``i``'s piece, for the leaves in ``plan.moved``."""
         return t
 
     def scalar(self, block: torch.Tensor, like: Any) -> Any:
         """A Python scalar leaf's output from its slice of the scalar block."""
         return _tree.to_python(block, like)
 
-    def run(self, flat, transport, plan, sync, to_cpu):
+    def apply(self, flat, transport, plan, sync, to_cpu):
         return execute(self, flat, transport, plan, sync=sync, to_cpu=to_cpu)
 
 
@@ -159,6 +168,7 @@ class Gather(Packed):
     dim: int = 0
     stack: bool = False
     name = "xcoll.gather"
+    gathers = True
 
     def head(self, sync, to_cpu):
         return (
@@ -187,9 +197,9 @@ class Gather(Packed):
                 return (world * leaf_shape[0], *leaf_shape[1:])
             return (world, *leaf_shape)  # stacked, or moved into place by finish
 
-        dtypes = [dtype_of(leaf) for leaf in flat.leaves]
+        dtypes = [_tree.dtype_of(leaf) for leaf in flat.leaves]
         moved = {i: d for i, d in dims.items() if d}
-        return _layout(flat, dtypes, dtypes, (world,), shape, _check.describe(flat), dims=moved)
+        return _layout(flat, dtypes, dtypes, (world,), shape, _check.describe(flat), moved=moved)
 
     def _dim(self, flat: _tree.Flat, i: int) -> int:
         ndim = flat.leaves[i].dim()
@@ -206,14 +216,8 @@ class Gather(Packed):
     def send(self, transport, wire, bucket):
         return transport.all_gather(wire)
 
-    def unpack(self, kernels, plan, live, results, world):
-        buckets = [plan.buckets[k] for k in live]
-        return kernels.unpack(
-            results, [b.dtype for b in buckets], [b.sizes for b in buckets], world
-        )
-
     def finish(self, plan, i, t, world):  # (W, *shape) -> (*shape[:d], W, *shape[d:])
-        d = plan.dims[i]
+        d = plan.moved[i]
         t = t.movedim(0, d)
         if self.stack:
             return t
@@ -236,7 +240,7 @@ class Reduce(Packed):
         ops = _tree.broadcast_prefix(self.op, flat, "op")
         keys = []
         for i, leaf in enumerate(flat.leaves):
-            dtype = dtype_of(leaf)
+            dtype = _tree.dtype_of(leaf)
             table = (
                 _BOOL_OPS
                 if dtype == torch.bool
@@ -319,7 +323,7 @@ class Broadcast(Packed):
         return ("broadcast", flat.key)
 
     def plan(self, flat, world):
-        dtypes = [dtype_of(leaf) for leaf in flat.leaves]
+        dtypes = [_tree.dtype_of(leaf) for leaf in flat.leaves]
         return _layout(flat, dtypes, dtypes, (), _leaf_shape(flat), _check.describe(flat))
 
     def send(self, transport, wire, bucket):
@@ -353,7 +357,7 @@ def call(op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = Fal
         )
     if error is not None:
         raise error
-    return op.run(flat, transport, plan, sync, to_cpu)
+    return op.apply(flat, transport, plan, sync, to_cpu)
 
 
 def run(op: Packed, tree: Any, transport: Transport, *, to_cpu: bool = False) -> Any:
@@ -378,13 +382,20 @@ def execute(
     alias the inputs. Python scalar leaves come back as Python values.
     """
     with torch.no_grad():
-        out = _execute(op, flat, transport, plan, sync, to_cpu)
+        out = _leaves_out(op, flat, transport, plan, sync, to_cpu)
     for i in flat.scalars:
         out[i] = op.scalar(out[i], flat.leaves[i])
     return flat.unflatten(out)
 
 
-def _execute(op, flat, transport, plan, sync, to_cpu) -> list[Any]:
+def _place(op: Packed, plan: Plan, bucket: _pack.Bucket, pieces, out: list[Any], w: int) -> None:
+    """Each tensor slot's output from its piece (the scalar block, last, is extra)."""
+    for s, t in zip(bucket.tensors, pieces, strict=False):
+        out[s.leaf] = op.finish(plan, s.leaf, t, w) if s.leaf in plan.moved else t
+
+
+def _leaves_out(op, flat, transport, plan, sync, to_cpu) -> list[Any]:
+    """The output leaves, in leaf order (Python scalars as 0-d CPU tensors)."""
     w = transport.world_size()
     out: list[Any] = [None] * len(flat.leaves)
     live: list[int] = []
@@ -395,7 +406,7 @@ def _execute(op, flat, transport, plan, sync, to_cpu) -> list[Any]:
         for s, shape in zip(b.tensors, shapes, strict=True):  # only empty tensors: nothing to send
             device = "cpu" if to_cpu else flat.leaves[s.leaf].device
             t = torch.empty(shape, dtype=b.dtype, device=device)
-            out[s.leaf] = op.finish(plan, s.leaf, t, w) if s.leaf in plan.dims else t
+            out[s.leaf] = op.finish(plan, s.leaf, t, w) if s.leaf in plan.moved else t
     if not live:
         return out
     buckets = [plan.buckets[k] for k in live]
@@ -422,13 +433,14 @@ def _execute(op, flat, transport, plan, sync, to_cpu) -> list[Any]:
         # outputs.
         pieces = transport.kernels.split(flats, shapes)
     del flats
-    blocks = []
+    # Only the outputs and the scalar blocks may stay referenced at the sync: a
+    # piece that was finished (moved) would become a graph output of its own.
+    blocks = [
+        bucket_pieces[-1] for b, bucket_pieces in zip(buckets, pieces, strict=True) if b.scalars
+    ]
     for b, bucket_pieces in zip(buckets, pieces, strict=True):
-        for s, t in zip(b.tensors, bucket_pieces, strict=False):  # the scalar block is extra
-            out[s.leaf] = op.finish(plan, s.leaf, t, w) if s.leaf in plan.dims else t
-        if b.scalars:
-            blocks.append(bucket_pieces[-1])
-    del pieces, bucket_pieces  # a finished leaf's piece must not become a graph output
+        _place(op, plan, b, bucket_pieces, out, w)
+    del pieces, bucket_pieces
     if not to_cpu:
         if sync:
             transport.sync()

@@ -146,7 +146,6 @@ def flatten(tree: Any) -> Flat:
 
 
 def _check(leaves: list[Any], treespec: optree.PyTreeSpec) -> None:
-    paths = None
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             problem = _tensor_problem(leaf)
@@ -158,8 +157,7 @@ def _check(leaves: list[Any], treespec: optree.PyTreeSpec) -> None:
                 "xcoll communicates tensors and Python bool/int/float (None is structure)"
             )
         if problem:
-            paths = paths or _paths(treespec)
-            raise TypeError(f"{paths[i]}: {problem}")
+            raise TypeError(f"{_paths(treespec)[i]}: {problem}")
 
 
 def _tensor_problem(t: torch.Tensor) -> str | None:
@@ -197,6 +195,11 @@ def _deep_path(tree: Any) -> str:
     return "tree" + "".join(shown)
 
 
+def dtype_of(leaf: Any) -> torch.dtype:
+    """The dtype a leaf travels as (a Python scalar's: :func:`scalar_dtype`)."""
+    return leaf.dtype if isinstance(leaf, torch.Tensor) else scalar_dtype(leaf)
+
+
 def scalar_dtype(value: bool | int | float) -> torch.dtype:
     if isinstance(value, bool):
         return torch.bool
@@ -227,8 +230,10 @@ def broadcast_prefix(prefix: Any, flat: Flat, what: str) -> list[Any]:
     """Expands a prefix tree (e.g. of op names) to one entry per leaf of ``flat``."""
     if isinstance(prefix, str):
         return [prefix] * len(flat.leaves)
+    # against a skeleton of the tree (leaf indices): the tree is flattened once per call
+    skeleton = flat.unflatten(list(range(len(flat.leaves))))
     try:
-        full = optree.tree_broadcast_prefix(prefix, flat.tree, none_is_leaf=False)
+        full = optree.tree_broadcast_prefix(prefix, skeleton, none_is_leaf=False)
     except ValueError as e:
         raise ValueError(f"{what} must be a str or a prefix tree of the data tree: {e}") from None
     entries = optree.tree_leaves(full, none_is_leaf=False)

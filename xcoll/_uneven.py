@@ -82,10 +82,10 @@ class UnevenGather(_call.Op):
 
     def plan(self, flat, world):
         dims = growing_dims(flat, self.dim)  # only that dim may differ between replicas
-        return _call.Plan([], [], _check.describe(flat, dims), dims=dims)
+        return _call.Plan([], [], _check.describe(flat, dims), growing=dims)
 
-    def run(self, flat, transport, plan, sync, to_cpu):
-        dims = plan.dims
+    def apply(self, flat, transport, plan, sync, to_cpu):
+        dims = plan.growing
         idx = list(dims)
         # The caller's pending work runs first, on its own: here it typically has
         # shapes that differ between replicas, and in the graph of a collective that
@@ -100,16 +100,16 @@ class UnevenGather(_call.Op):
             sizes = _check_shapes(flat, idx, dims, every)
             target = _pack.size_bucket(int(sizes.max())) if idx else 0
         else:
-            for i, n in zip(idx, local, strict=True):
-                if n > self.max_size:
-                    raise ValueError(
-                        f"{flat.path(i)}: size {n} along dim {dims[i]} exceeds "
-                        f"max_size={self.max_size}"
-                    )
             target = self.max_size
 
+        # A shard larger than max_size still takes part (cut to max_size), so that
+        # every replica sees its true size and raises, instead of the others
+        # waiting in a gather it never joins.
         payload = {
-            "data": [transport.upload(_pad(host[i], dims[i], target)) for i in idx],
+            "data": [
+                transport.upload(_pad(host[i].narrow(dims[i], 0, min(n, target)), dims[i], target))
+                for i, n in zip(idx, local, strict=True)
+            ],
             "scalars": [flat.leaves[i] for i in flat.scalars],
         }
         if self.max_size is not None:
@@ -117,6 +117,7 @@ class UnevenGather(_call.Op):
         got = _call.run(_STACKED, payload, transport, to_cpu=True)
         if self.max_size is not None:
             sizes = got["sizes"]
+            _check_max_size(flat, idx, dims, sizes, self.max_size)
 
         out, scalars = [], iter(got["scalars"])
         position = {i: j for j, i in enumerate(idx)}
@@ -163,6 +164,18 @@ def _check_shapes(flat, idx, dims, every: torch.Tensor) -> torch.Tensor:
                 f"rank {r} has {_shape(every[r, j])}"
             )
     return sizes
+
+
+def _check_max_size(flat, idx, dims, sizes: torch.Tensor, max_size: int) -> None:
+    """Raises, on every replica alike, if any rank's leaf exceeds ``max_size``."""
+    over = (sizes > max_size).nonzero().tolist()
+    if over:
+        r, j = over[0]
+        i = idx[j]
+        raise ValueError(
+            f"{flat.path(i)}: rank {r} has size {int(sizes[r, j])} along dim {dims[i]}, "
+            f"more than max_size={max_size}"
+        )
 
 
 def _shape(row: torch.Tensor) -> tuple[int, ...]:

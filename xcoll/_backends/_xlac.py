@@ -1,4 +1,5 @@
-"""Every private torch_xla call xcoll makes, one named function each.
+"""Every private torch_xla call xcoll makes (``torch_xla._XLAC``, private
+runtime functions), one named function each.
 
 Each says which public API it replaces and why. If the installed torch_xla
 lacks one of these bindings (they are not a stable API), the call raises a
@@ -14,15 +15,17 @@ from typing import Any
 import torch
 import torch_xla
 
+_MISSING = (
+    f"this torch_xla ({getattr(torch_xla, '__version__', '?')}) has no "
+    "torch_xla.{name}, which xcoll needs; xcoll is tested with torch_xla 2.9.0"
+)
+
 
 def _binding(name: str) -> Any:
     try:
         return getattr(torch_xla._XLAC, name)
     except AttributeError:
-        raise RuntimeError(
-            f"this torch_xla ({getattr(torch_xla, '__version__', '?')}) has no "
-            f"torch_xla._XLAC.{name}, which xcoll needs; xcoll is tested with torch_xla 2.9.0"
-        ) from None
+        raise RuntimeError(_MISSING.format(name=f"_XLAC.{name}")) from None
 
 
 def runtime_is_initialized() -> bool:
@@ -31,11 +34,30 @@ def runtime_is_initialized() -> bool:
     return _binding("_xla_runtime_is_initialized")()
 
 
-def set_default_device(device: Any) -> None:
-    """Makes ``device`` this thread's default XLA device. Replaces what
-    ``xmp.spawn``'s thread-per-device runner does for each of its threads
-    (there is no public call for one thread)."""
+def start_single_process_runtime() -> None:
+    """Starts the PJRT runtime as process 0 of 1, for threads that each drive
+    one device. Replaces what ``xmp.spawn`` does before it starts its
+    thread-per-device runner (which owns the threads and so cannot serve a
+    test pool's persistent ones)."""
+    try:
+        from torch_xla._internal import pjrt
+    except ImportError:
+        raise RuntimeError(_MISSING.format(name="_internal.pjrt")) from None
+    pjrt.initialize_multiprocess(0, 1)
+
+
+def start_replica_thread(device: Any) -> None:
+    """Makes ``device`` this thread's default XLA device and sets the thread's
+    world size and ordinal. Replaces what ``xmp.spawn``'s thread-per-device
+    runner does for each of its threads (there is no public call for one
+    thread)."""
+    from torch_xla import runtime
+
     _binding("_xla_set_default_device")(device)
+    init = getattr(runtime, "_init_world_size_ordinal", None)
+    if init is None:
+        raise RuntimeError(_MISSING.format(name="runtime._init_world_size_ordinal"))
+    init()
 
 
 def wait_device(device: torch.device) -> None:

@@ -217,7 +217,7 @@ class XlaTransport(Transport):
         if not narrowed:
             return
         for i, leaf in enumerate(flat.leaves):
-            dtype = leaf.dtype if isinstance(leaf, torch.Tensor) else _tree.scalar_dtype(leaf)
+            dtype = _tree.dtype_of(leaf)
             if dtype in narrowed:
                 why, to = narrowed[dtype]
                 raise TypeError(

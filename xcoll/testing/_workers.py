@@ -22,12 +22,10 @@ from xcoll.testing._remote import _call, _failure, _Results, _task
 def _replica(device: Any, inbox: queue.Queue, outbox: queue.Queue) -> None:
     """One replica's thread: it is the replica's main thread for every call."""
     import torch_xla.runtime as xr
-    from torch_xla import runtime
 
     from xcoll._backends import _xlac
 
-    _xlac.set_default_device(device)
-    runtime._init_world_size_ordinal()
+    _xlac.start_replica_thread(device)
     rank = xr.global_ordinal()
     while (task := inbox.get()) is not None:
         outbox.put(_call(rank, task))
@@ -49,9 +47,10 @@ def _xla_worker(conn, log: str, world_size: int, env: dict[str, str], grace: flo
     os.environ.update(env)  # before the XLA runtime starts in this process
 
     import torch_xla.core.xla_model as xm
-    from torch_xla._internal import pjrt
 
-    pjrt.initialize_multiprocess(0, 1)
+    from xcoll._backends import _xlac
+
+    _xlac.start_single_process_runtime()
     devices = xm.get_xla_supported_devices()
     if len(devices) != world_size:
         raise RuntimeError(f"expected {world_size} XLA devices, found {len(devices)}: {devices}")
