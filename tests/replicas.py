@@ -52,32 +52,42 @@ def device() -> torch.device:
 
 
 def to_device(tree, dev):
-    """Uploads CPU leaves; a 2-d leaf that arrives transposed (non-contiguous) is
-    uploaded contiguous and transposed on the device, so the replica holds a view.
-
-    0-d tensors are uploaded as 1-d and reshaped on the device: torch_xla shares
-    one device buffer between 0-d uploads of equal value, so replicas whose 0-d
-    leaves coincide differently would trace different graphs (docs/design.md).
-    """
+    """Uploads CPU leaves as a user would (0-d ones as 0-d uploads, which
+    torch_xla shares between equal values); a 2-d leaf that arrives transposed
+    (non-contiguous) is uploaded contiguous and transposed on the device, so the
+    replica holds a view. A tensor that appears twice in ``tree`` (one object
+    under two keys) is uploaded once and appears twice on the device too."""
+    done: dict[int, torch.Tensor] = {}
 
     def up(x):
-        if not isinstance(x, torch.Tensor) or dev.type == "cpu":
-            return x.clone() if isinstance(x, torch.Tensor) else x
-        if x.dim() == 0:
-            return x.reshape(1).to(dev).reshape(())
-        if x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():
-            return x.t().to(dev).t()
-        return x.to(dev)
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in done:
+            if dev.type == "cpu":
+                done[id(x)] = x.clone()
+            elif x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():
+                done[id(x)] = x.t().to(dev).t()
+            else:
+                done[id(x)] = x.to(dev)
+        return done[id(x)]
 
     return optree.tree_map(up, tree, none_is_leaf=False)
 
 
 def to_cpu(tree):
-    return optree.tree_map(
-        lambda x: x.to("cpu", copy=True) if isinstance(x, torch.Tensor) else x,
-        tree,
-        none_is_leaf=False,
-    )
+    """CPU copies of every tensor leaf, bit for bit (torch_xla's float16
+    download canonicalises NaN payloads: those travel as int16)."""
+
+    def down(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.device.type == "xla" and x.dtype == torch.float16:
+            from xcoll._backends.xla import XlaKernels
+
+            return XlaKernels().bitcast(x, torch.int16).cpu().view(torch.float16)
+        return x.to("cpu", copy=True)
+
+    return optree.tree_map(down, tree, none_is_leaf=False)
 
 
 def devices(tree):

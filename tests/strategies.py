@@ -1,8 +1,9 @@
 """Hypothesis strategies: one tree skeleton, then per-rank values for it.
 
 A skeleton fixes structure, leaf kinds, dtypes and shapes (which must agree on
-every replica); values differ by rank and by position and include -0.0, NaN,
-+-inf, subnormals and integer extremes.
+every replica); values differ by rank and by position and include -0.0, NaN
+(with any payload and sign), +-inf, subnormals and integer extremes; 0-d leaves
+often coincide (0.0, -0.0, 1.0), and a rank may pass one tensor under two paths.
 """
 
 from __future__ import annotations
@@ -87,6 +88,25 @@ def _int_values(dtype, exact: bool):
     )
 
 
+# The integer bits of each float dtype: (carrier, exponent all ones, mantissa mask, sign).
+_NAN_BITS = {
+    torch.float16: (torch.int16, 0x7C00, 0x3FF, 0x8000),
+    torch.bfloat16: (torch.int16, 0x7F80, 0x7F, 0x8000),
+    torch.float32: (torch.int32, 0x7F800000, 0x7FFFFF, 0x80000000),
+    torch.float64: (torch.int64, 0x7FF0000000000000, 0xFFFFFFFFFFFFF, 1 << 63),
+}
+
+
+@st.composite
+def _nan_payload(draw, dtype: torch.dtype) -> int:
+    """A NaN of ``dtype`` with any sign and payload, as its signed integer bits
+    (conversions such as ``torch.rand(...).to(torch.bfloat16)`` of NaN make them)."""
+    carrier, exponent, mantissa, sign = _NAN_BITS[dtype]
+    bits = exponent | draw(st.integers(1, mantissa)) | (sign if draw(st.booleans()) else 0)
+    width = 8 * carrier.itemsize
+    return bits - (1 << width) if bits >= 1 << (width - 1) else bits
+
+
 def _tensor(draw, spec: TensorSpec, exact: bool) -> torch.Tensor:
     n = 1
     for s in spec.shape:
@@ -94,11 +114,18 @@ def _tensor(draw, spec: TensorSpec, exact: bool) -> torch.Tensor:
     if spec.dtype == torch.bool:
         values = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     elif spec.dtype.is_floating_point:
-        values = draw(st.lists(_float_values(exact), min_size=n, max_size=n))
+        # 0-d leaves often coincide (equal values share a device buffer on XLA)
+        coincide = st.sampled_from([0.0, -0.0, 1.0]) if not spec.shape else st.nothing()
+        values = draw(st.lists(coincide | _float_values(exact), min_size=n, max_size=n))
     else:
-        values = draw(st.lists(_int_values(spec.dtype, exact), min_size=n, max_size=n))
+        coincide = st.sampled_from([0, 1]) if not spec.shape else st.nothing()
+        values = draw(st.lists(coincide | _int_values(spec.dtype, exact), min_size=n, max_size=n))
     t = torch.tensor(values, dtype=torch.float64 if spec.dtype.is_floating_point else None)
     t = t.to(spec.dtype).reshape(spec.shape)
+    if spec.dtype in _NAN_BITS and n and draw(st.booleans()):  # NaNs with payloads
+        bits = t.reshape(-1).view(_NAN_BITS[spec.dtype][0])
+        for at in draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n)):
+            bits[at] = draw(_nan_payload(spec.dtype))
     if spec.transposed:  # same shape, non-contiguous storage
         t = t.t().contiguous().t()
     return t
@@ -128,7 +155,24 @@ def rank_trees(draw, skeleton, world_size: int, exact: bool = False, reorder: bo
         optree.tree_map(fill, skeleton, is_leaf=is_spec, none_is_leaf=False)
         for _ in range(world_size)
     ]
+    specs = optree.tree_leaves(skeleton, is_leaf=is_spec, none_is_leaf=False)
+    trees = [_alias(draw, t, specs) for t in trees]
     return [_reverse_dicts(t) if reorder and r % 2 else t for r, t in enumerate(trees)]
+
+
+def _alias(draw, tree, specs):
+    """Maybe the same tensor object under two paths (as a user may pass one
+    tensor twice), on this rank only: a later leaf of the same spec becomes an
+    earlier one."""
+    if not draw(st.booleans()):
+        return tree
+    leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False)
+    for j, spec in enumerate(specs):
+        if isinstance(spec, TensorSpec):
+            earlier = [i for i in range(j) if specs[i] == spec]
+            if earlier and draw(st.booleans()):
+                leaves[j] = leaves[draw(st.sampled_from(earlier))]
+    return optree.tree_unflatten(treespec, leaves)
 
 
 def _reverse_dicts(tree):

@@ -41,7 +41,7 @@ def _both(case):
     from xcoll._backends.base import TORCH
     from xcoll._backends.xla import XlaKernels
 
-    parts, world, seed = case
+    parts, world, seed, ops, means = case
     dev = torch_xla.device()
     xla = XlaKernels()
     shapes = [[tuple(p.shape) for p in bucket] for bucket in parts]
@@ -63,6 +63,16 @@ def _both(case):
         got["unpack_flat"] = [_as_int(kernels, t) for t in same_size]
         pieces = kernels.split(unpacked, [[(world, *s) for s in b] for b in shapes])
         got["split"] = [[_as_int(kernels, t) for t in b] for b in pieces]
+        joined = kernels.pack(inputs, shapes, encode=False)
+        encoded = kernels.encode_reduce(joined, ops)
+        got["encode_reduce"] = [_as_int(kernels, t) for t in encoded]
+        # decoded from random wires: any bits an all-reduce could return
+        reduced = [
+            _random_bits(e.dtype, tuple(e.shape), seed + 3 * k).to(e.device)
+            for k, e in enumerate(encoded)
+        ]
+        decoded = kernels.decode_reduce(reduced, dtypes, ops, means, world)
+        got["decode_reduce"] = [_as_int(kernels, t) for t in decoded]
     return out
 
 
@@ -83,21 +93,41 @@ def _buckets(draw):
     ]
     # the XLA pack needs at least one element per bucket (an empty bucket is never sent)
     parts = [b for b in parts if sum(p.numel() for p in b)]
-    return parts, draw(st.sampled_from([1, 2, 3])), seed
+    ops, means = [], []
+    for bucket in parts:
+        dtype, n = bucket[0].dtype, sum(p.numel() for p in bucket)
+        choices = ["max", "min"] if dtype == torch.bool else ["sum", "prod", "max", "min"]
+        ops.append(draw(st.sampled_from(choices)))
+        cut = sorted(draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
+        mean = dtype.is_floating_point and ops[-1] == "sum" and cut[0] < cut[1]
+        means.append(((cut[0], cut[1]),) if mean else ())
+    return parts, draw(st.sampled_from([1, 2, 3])), seed, ops, means
 
 
 @PROPERTY
 @given(case=_buckets())
 def test_xla_kernels_give_the_torch_kernels_bits(case):
     if not case[0]:
-        return
+        return  # every drawn bucket was empty
     got = shared_pool("xla-cpu-1").run(_both, [case])[0]
     for what in got["torch"]:
         for k, (a, b) in enumerate(zip(got["torch"][what], got["xla"][what], strict=True)):
             pairs = zip(a, b, strict=True) if isinstance(a, list) else [(a, b)]
             for x, y in pairs:
                 assert x.dtype == y.dtype and x.shape == y.shape, (what, k, x, y)
+                if what == "encode_reduce" and case[3][k] in ("sum", "prod"):
+                    # a float sum's encoding may carry NaN payloads either way:
+                    # decoding makes every NaN the quiet NaN
+                    nan = torch.isnan(_float_view(x))
+                    assert torch.equal(nan, torch.isnan(_float_view(y))), (what, k)
+                    x, y = x[~nan], y[~nan]
                 assert torch.equal(x, y), (what, k, x, y)
+
+
+def _float_view(ints: torch.Tensor) -> torch.Tensor:
+    """Integers holding float bits, seen as the float of their width."""
+    width = {torch.int64: torch.float64, torch.int32: torch.float32, torch.int16: torch.float16}
+    return ints.view(width[ints.dtype]) if ints.dtype in width else ints.float()
 
 
 def test_bitcast_agrees_on_every_float_dtype():

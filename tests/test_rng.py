@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import counters, device
+from tests.replicas import counters, device, shared_pool
 
 
 def _sync_then_draw(src):
@@ -42,7 +42,9 @@ def test_every_generator_draws_what_src_draws(pool):
         results[0]["generator"], torch.rand(3, generator=torch.Generator().manual_seed(100 + src))
     )
     if pool.device_type == "xla":
-        assert all(r["xla seed"] == 1000 + src for r in results)
+        # src's state after the sync of its pending work (a sync moves the XLA
+        # seed on from the one set), on every replica
+        assert all(r["xla seed"] == results[src]["xla seed"] for r in results)
         assert all(torch.equal(r["xla"], results[0]["xla"]) for r in results)
     else:
         torch.manual_seed(src)
@@ -84,3 +86,23 @@ def test_state_round_trip_in_one_process():
     )
     with pytest.raises(ValueError, match="1 generators, 0 were passed"):
         xcoll.set_rng_state(state)
+
+
+def _sync_with_pending_draws(_):
+    import torch_xla
+
+    dev = torch_xla.device()
+    # a different number of pending (not yet executed) draws on each replica:
+    # exactly when replicas need their generators synced
+    pending = [torch.rand(3, device=dev) * 2 for _ in range(xcoll.rank() + 1)]
+    xcoll.sync_rng_state()
+    after = torch.rand(4, device=dev)
+    return after.cpu(), [p.cpu() for p in pending]
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_sync_with_pending_per_replica_work_on_xla(w):
+    results = shared_pool(f"xla-cpu-{w}").run(_sync_with_pending_draws, [None] * w)
+    for after, _ in results:
+        assert torch.equal(after, results[0][0])
+    assert [len(p) for _, p in results] == list(range(1, w + 1))

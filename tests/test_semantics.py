@@ -217,3 +217,39 @@ def test_bad_input_raises_before_communicating_on_every_replica(pool, case, kind
         assert named in f.message and "rank 0" in f.message
     again = pool.run(_bad_input, [(case, False)] * w)  # the replicas go on
     assert all(t.tolist() == [1.0, 1.0] * w for t in again)
+
+
+# ---- one program on every replica, whatever the leaves' values and aliasing ------
+
+
+def _values_that_coincide(case):
+    kind, r = case
+    dev = device()
+    if kind == "0-d uploads":  # 1.0 on rank 0 is torch_xla's cached scalar 1.0
+        out = xcoll.reduce({"x": torch.tensor(float(r) + 1).to(dev)})
+        return out["x"].cpu()
+    if kind == "a natural metric":
+        out = xcoll.reduce(
+            {"correct": torch.tensor(5.0).to(dev), "seen": torch.tensor(0.0).to(dev)}
+        )
+        return torch.stack([out["correct"].cpu(), out["seen"].cpu()])
+    if kind == "one tensor twice":  # under two keys on rank 0 only, even with the check
+        t = torch.arange(3.0).to(dev)
+        tree = {"a": t, "b": t if r == 0 else torch.arange(3.0).to(dev)}
+        with xcoll.consistency_checks("always"):
+            out = xcoll.gather(tree, to_cpu=True)
+        return torch.cat([out["a"], out["b"]])
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["0-d uploads", "a natural metric", "one tensor twice"])
+def test_values_and_aliases_never_change_the_program(pool, kind):
+    w = pool.world_size
+    results = pool.run(_values_that_coincide, [(kind, r) for r in range(w)], timeout=120)
+    expected = {
+        "0-d uploads": torch.tensor(float(sum(range(1, w + 1)))),
+        "a natural metric": torch.tensor([5.0 * w, 0.0]),
+        "one tensor twice": torch.arange(3.0).repeat(2 * w),
+    }[kind]
+    for got in results:
+        assert torch.equal(got, expected), (got, expected)

@@ -139,17 +139,27 @@ class Packed(Op):
     gathers = False
 
     def unpack(
-        self, kernels: Kernels, plan: Plan, live: list[int], results, world: int
+        self, kernels: Kernels, plan: Plan, live: list[int], results, world: int, wire: bool
     ) -> list[torch.Tensor]:
         """Each result as a 1-d buffer of the bucket's dtype in which each slot's
-        block is contiguous, in slot order (the Python scalars' block last)."""
+        block is contiguous, in slot order (the Python scalars' block last).
+        With ``wire``, the buffers keep the integer wire form, for
+        :meth:`decode_on_host` after the download (a device's download of
+        floats may change NaN payloads: torch_xla's float16 download does)."""
         buckets = [plan.buckets[k] for k in live]
         return kernels.unpack(
             results,
-            [b.dtype for b in buckets],
+            [_wire.wire_dtype(b.dtype) if wire else b.dtype for b in buckets],
             [b.sizes for b in buckets],
             world if self.gathers else None,
         )
+
+    def decode_on_host(self, plan: Plan, live: list[int], hosts) -> list[torch.Tensor]:
+        """:meth:`unpack`'s ``wire`` buffers, downloaded, as the buckets' dtypes."""
+        return [
+            _wire.decode_move(h, plan.buckets[k].dtype, TORCH.bitcast)
+            for h, k in zip(hosts, live, strict=True)
+        ]
 
     def finish(self, plan: Plan, i: int, t: torch.Tensor, world: int) -> torch.Tensor:
         """Leaf ``i``'s piece, for the leaves in ``plan.moved``."""
@@ -271,26 +281,24 @@ class Reduce(Packed):
 
     def pack(self, kernels, plan, live, parts):
         joined = kernels.pack(parts, [plan.buckets[k].part_shapes for k in live], encode=False)
-        return [
-            _wire.encode_reduce(j, plan.buckets[k].key[1], kernels.bitcast)
-            for j, k in zip(joined, live, strict=True)
-        ]
+        return kernels.encode_reduce(joined, [plan.buckets[k].key[1] for k in live])
 
     def send(self, transport, wire, bucket):
         return transport.all_reduce(wire, bucket.key[1])
 
-    def unpack(self, kernels, plan, live, results, world):
-        return [
-            _wire.decode_reduce(
-                r,
-                plan.buckets[k].dtype,
-                plan.buckets[k].key[1],
-                kernels.bitcast,
-                plan.means[k],
-                world,
-            )
-            for r, k in zip(results, live, strict=True)
-        ]
+    def unpack(self, kernels, plan, live, results, world, wire):
+        # (NaN results are the quiet NaN, which every download keeps)
+        buckets = [plan.buckets[k] for k in live]
+        return kernels.decode_reduce(
+            results,
+            [b.dtype for b in buckets],
+            [b.key[1] for b in buckets],
+            [plan.means[k] for k in live],
+            world,
+        )
+
+    def decode_on_host(self, plan, live, hosts):
+        return hosts
 
 
 def _ranges(bucket: _pack.Bucket, leaves: frozenset[int]) -> tuple[tuple[int, int], ...]:
@@ -411,7 +419,9 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu) -> list[Any]:
         return out
     buckets = [plan.buckets[k] for k in live]
     shapes = [plan.shapes[k] for k in live]
-    parts = [_pack.parts(b, flat.leaves, transport.upload) for b in buckets]
+    leaves = transport.own_buffers(flat)
+    parts = [_pack.parts(b, leaves, transport.upload) for b in buckets]
+    del leaves
     wires = op.pack(transport.kernels, plan, live, parts)
     del parts
     results = [op.send(transport, wire, b) for wire, b in zip(wires, buckets, strict=True)]
@@ -422,11 +432,11 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu) -> list[Any]:
         raise RuntimeError(
             f"{op.name}: a collective did not complete on rank {transport.rank()}: {e}"
         ) from e
-    flats = op.unpack(transport.kernels, plan, live, results, w)
+    flats = op.unpack(transport.kernels, plan, live, results, w, wire=to_cpu)
     del results
     if to_cpu:
         transport.sync()
-        pieces = TORCH.split(transport.to_host(flats), shapes)
+        pieces = TORCH.split(op.decode_on_host(plan, live, transport.to_host(flats)), shapes)
     else:
         # Outputs are traced before the sync so that it materialises them; only
         # they and the scalar blocks stay referenced, so they alone become graph

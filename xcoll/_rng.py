@@ -112,6 +112,11 @@ def sync_rng_state(
     if _check.due():
         head = f"src={src} generators={len(generators)}"
         _check.verify(transport, "xcoll.sync_rng_state", head, _check.Description(()))
+    # The caller's pending work runs first, on its own: replicas that drew
+    # different numbers of random values (why they sync) have different pending
+    # graphs, which in the broadcast's graph would be different programs.
+    # (Nothing pending: no execution.)
+    transport.sync()
     state = optree.tree_map(
         lambda x: transport.upload(x) if isinstance(x, torch.Tensor) else x, rng_state(generators)
     )

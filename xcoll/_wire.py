@@ -41,15 +41,20 @@ def _nan_bits(dtype: torch.dtype, negative: bool) -> int:
     return positive - (1 << width) + (1 << (width - 1)) if negative else positive
 
 
-# The NaN each op lets win: +NaN is the largest key, -NaN the smallest.
-_WINNING_NAN = {
+#: The NaN each op lets win, as integer bits: +NaN is the largest key, -NaN the smallest.
+WINNING_NAN = {
     (dtype, op): _nan_bits(dtype, negative=(op == "min")) for dtype in BITS for op in ("max", "min")
 }
-_MAGNITUDE = {d: torch.iinfo(d).max for d in set(BITS.values())}
+MAGNITUDE = {d: torch.iinfo(d).max for d in set(BITS.values())}
 
-#: Half-precision sums and products accumulate in float32 on every backend
+#: Half-precision sums, products and means accumulate in float32 on every backend
 #: (XLA:CPU cannot all-reduce bfloat16 at all) and are rounded back once.
-_ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype a move carries ``dtype`` as."""
+    return torch.uint8 if dtype == torch.bool else BITS.get(dtype, dtype)
 
 
 def encode_move(buf: torch.Tensor, bitcast: Bitcast) -> torch.Tensor:
@@ -82,7 +87,7 @@ def encode_reduce(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
         # + 0.0 turns -0.0 into +0.0 and changes nothing else. torch_xla's
         # collective token does exactly this to every input, so doing it on every
         # backend makes float sums and products bitwise the same everywhere.
-        return buf.to(_ACCUMULATE.get(buf.dtype, buf.dtype)) + 0.0
+        return buf.to(ACCUMULATE.get(buf.dtype, buf.dtype)) + 0.0
     return buf
 
 
@@ -126,13 +131,13 @@ def _divide(out: torch.Tensor, ranges: Sequence[tuple[int, int]], world: int) ->
 def encode_order(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
     """Float ``buf`` as integer keys whose integer ``op`` ("max"/"min") is the
     float op with NaN propagating."""
-    bits = bitcast(buf, BITS[buf.dtype]).masked_fill(torch.isnan(buf), _WINNING_NAN[buf.dtype, op])
+    bits = bitcast(buf, BITS[buf.dtype]).masked_fill(torch.isnan(buf), WINNING_NAN[buf.dtype, op])
     # Negative floats sort backwards as two's complement integers: flip their
     # magnitude bits so that keys sort like values (-0.0 just below +0.0).
-    return torch.where(bits < 0, bits ^ _MAGNITUDE[bits.dtype], bits)
+    return torch.where(bits < 0, bits ^ MAGNITUDE[bits.dtype], bits)
 
 
 def decode_order(keys: torch.Tensor, dtype: torch.dtype, bitcast: Bitcast) -> torch.Tensor:
     """Inverse of :func:`encode_order`."""
-    bits = torch.where(keys < 0, keys ^ _MAGNITUDE[keys.dtype], keys)
+    bits = torch.where(keys < 0, keys ^ MAGNITUDE[keys.dtype], keys)
     return bitcast(bits, dtype)

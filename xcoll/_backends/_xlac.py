@@ -104,3 +104,26 @@ def sync_only(tensors: Sequence[torch.Tensor]) -> None:
     ``torch_xla.sync()``, which runs everything pending (the caller's work too,
     which differs between replicas exactly when their calls do)."""
     _binding("_xla_sync_multi")(list(tensors), devices=[], wait=False)
+
+
+def data_handle(t: torch.Tensor) -> int | None:
+    """The device buffer that ``t`` holds, or None if ``t`` is pending
+    computation (no public API tells them apart). Two tensors with one handle
+    are one parameter of a traced graph."""
+    try:
+        return _binding("_get_tensors_handle")([t])[0]
+    except RuntimeError:  # "XlaTensor does not have data handle"
+        return None
+
+
+def warm_up_fallbacks(device: Any) -> None:
+    """Runs one ``.item()`` on ``device`` from this thread. Call it before
+    starting replica threads (thread-per-device: XLA:CPU, TPU v2/v3).
+
+    torch_xla counts its CPU-fallback ops in a global map without a lock
+    (``xla_fallback`` in ``torch_xla/csrc/aten_fallback.cpp``): the first
+    ``.item()`` inserts its counter, and replica threads that make their first
+    ``.item()`` together can read it half made and crash (SIGSEGV,
+    docs/design.md). One ``.item()`` first creates the counter. Other fallback
+    ops race the same way on their first concurrent use."""
+    torch.tensor([0]).to(device).item()

@@ -63,6 +63,28 @@ class Kernels:
             out.append(_pack.slot_major(r.view(world, -1), n) if world else r)
         return out
 
+    def encode_reduce(
+        self, bufs: Sequence[torch.Tensor], ops: Sequence[str]
+    ) -> list[torch.Tensor]:
+        """Each joined bucket in the form whose all-reduce ``op`` gives the
+        result (:func:`xcoll._wire.encode_reduce`)."""
+        return [_wire.encode_reduce(b, op, self.bitcast) for b, op in zip(bufs, ops, strict=True)]
+
+    def decode_reduce(
+        self,
+        outs: Sequence[torch.Tensor],
+        dtypes: Sequence[torch.dtype],
+        ops: Sequence[str],
+        means: Sequence[Sequence[tuple[int, int]]],
+        world: int,
+    ) -> list[torch.Tensor]:
+        """Inverse of :meth:`encode_reduce` on the all-reduced buffers, means
+        divided by ``world`` (:func:`xcoll._wire.decode_reduce`)."""
+        return [
+            _wire.decode_reduce(o, d, op, self.bitcast, m, world)
+            for o, d, op, m in zip(outs, dtypes, ops, means, strict=True)
+        ]
+
     def split(
         self, flats: Sequence[torch.Tensor], shapes: Sequence[Sequence[tuple[int, ...]]]
     ) -> list[list[torch.Tensor]]:
@@ -112,6 +134,12 @@ class Transport(ABC):
 
     def validate(self, flat: Flat) -> None:
         """Refuses leaves this engine would change in transit (raises TypeError)."""
+
+    def own_buffers(self, flat: Flat) -> list:
+        """``flat.leaves``, with any leaf whose buffer a traced program would
+        share with another value replaced by an equal tensor of its own (lazy
+        engines only: eager ones run no program)."""
+        return flat.leaves
 
     def wait(self) -> None:
         """Waits for the collectives started so far (lazy engines: nothing to wait for)."""

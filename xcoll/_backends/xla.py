@@ -109,6 +109,51 @@ def _decode(op, dtype: torch.dtype):
     return op
 
 
+def _encode_reduce(op, dtype: torch.dtype, how: str):
+    """_wire.encode_reduce in an XLA computation: its constants are part of the
+    computation (a Python scalar in a torch op on an XLA tensor would be device
+    data that torch_xla caches by value and shares with equal scalars elsewhere,
+    so that replicas whose values coincide differently would trace different
+    programs)."""
+    if dtype == torch.bool:
+        return op.cast(xb.Type.U8)
+    if not dtype.is_floating_point:
+        return op
+    if how in ("max", "min"):
+        bits = op.bitcast(_XLA_TYPES[_wire.BITS[dtype]])
+        bits = (op != op).select(bits.scalar_like(_wire.WINNING_NAN[dtype, how]), bits)
+        flipped = bits ^ bits.scalar_like(_wire.MAGNITUDE[_wire.BITS[dtype]])
+        return (bits < bits.zeros_like()).select(flipped, bits)
+    wide = _wire.ACCUMULATE.get(dtype, dtype)
+    op = op.cast(_XLA_TYPES[wide]) if wide != dtype else op
+    zero = op.zeros_like()
+    return (op == zero).select(zero, op)  # -0.0 as +0.0 (XLA may drop an "x + 0.0")
+
+
+def _decode_reduce(op, dtype: torch.dtype, how: str, means, world: int):
+    """_wire.decode_reduce in an XLA computation."""
+    if dtype == torch.bool:
+        return op != op.zeros_like()
+    if not dtype.is_floating_point:
+        return op
+    if how in ("max", "min"):
+        flipped = op ^ op.scalar_like(_wire.MAGNITUDE[_wire.BITS[dtype]])
+        op = (op < op.zeros_like()).select(flipped, op).bitcast(_XLA_TYPES[dtype])
+    else:
+        if means:
+            pieces, at, n = [], 0, op.shape().sizes[0]
+            for start, stop in [*means, (n, n)]:
+                if start > at:
+                    pieces.append(op.slice_in_dim(at, start, 0))
+                if stop > start:
+                    part = op.slice_in_dim(start, stop, 0)
+                    pieces.append(part / part.scalar_like(world))
+                at = stop
+            op = xb.Op.concat_in_dim(pieces, 0) if len(pieces) > 1 else pieces[0]
+        op = op.cast(_XLA_TYPES[dtype]) if _wire.ACCUMULATE.get(dtype, dtype) != dtype else op
+    return (op != op).select(op.scalar_like(float("nan")), op)
+
+
 class XlaKernels(Kernels):
     """:class:`Kernels` as XLA computations: each call is one node of the traced
     graph, cached by shapes (every torch call a replica thread makes can hand
@@ -173,6 +218,49 @@ class XlaKernels(Kernels):
         key = ("unpack", tuple(dtypes), tuple(tuple(n) for n in sizes), world)
         return _apply("unpack", key, build, results)
 
+    def encode_reduce(self, bufs, ops):
+        dtypes = [b.dtype for b in bufs]
+
+        def build():
+            def encode(*params):
+                return xb.Op.tuple(
+                    [
+                        _encode_reduce(p, d, how)
+                        for p, d, how in zip(params, dtypes, ops, strict=True)
+                    ]
+                )
+
+            return xb.create_computation(
+                "xcoll_encode_reduce", encode, [xb.tensor_shape(b) for b in bufs]
+            )
+
+        key = ("encode_reduce", tuple(dtypes), tuple(ops), tuple(b.shape[0] for b in bufs))
+        return _apply("encode_reduce", key, build, bufs)
+
+    def decode_reduce(self, outs, dtypes, ops, means, world):
+        def build():
+            def decode(*params):
+                return xb.Op.tuple(
+                    [
+                        _decode_reduce(p, d, how, m, world)
+                        for p, d, how, m in zip(params, dtypes, ops, means, strict=True)
+                    ]
+                )
+
+            return xb.create_computation(
+                "xcoll_decode_reduce", decode, [xb.tensor_shape(o) for o in outs]
+            )
+
+        key = (
+            "decode_reduce",
+            tuple(dtypes),
+            tuple(ops),
+            tuple(tuple(m) for m in means),
+            world,
+            tuple(o.shape[0] for o in outs),
+        )
+        return _apply("decode_reduce", key, build, outs)
+
     def split(self, flats, shapes):
         def build():
             def cut(*params):
@@ -225,6 +313,43 @@ class XlaTransport(Transport):
                     f"values would change in transit; convert the leaf yourself (e.g. to {to})"
                 )
 
+    def own_buffers(self, flat):
+        # A traced program has one parameter per device buffer, so a leaf whose
+        # buffer is shared gives its replica a program of its own: a 0-d upload
+        # (torch_xla caches those by value and shares them with equal scalars
+        # anywhere in the graph, its collective token included), or one tensor
+        # passed twice. Each such leaf is fetched (a transfer: it is data, so
+        # nothing runs) and uploaded again (a 0-d one as 1-d: torch_xla shares
+        # no upload of more than 0 dims).
+        # A pending tensor passed twice cannot be split this way; docs/design.md.
+        leaves, seen, redo = flat.leaves, set(), []
+        for i, sig in enumerate(flat.signature):
+            if not isinstance(sig, tuple):
+                continue
+            leaf = leaves[i]
+            again = id(leaf) in seen
+            seen.add(id(leaf))
+            if (again or not sig[1]) and _xlac.data_handle(leaf) is not None:
+                redo.append(i)
+        if not redo:
+            return leaves
+        leaves = list(leaves)
+        for i, host in zip(redo, self._exact_host([leaves[i] for i in redo]), strict=True):
+            # (0-d: as 1-d, then a view, the same on every replica whose leaf is data)
+            leaves[i] = self.upload(host) if host.dim() else self.upload(host.reshape(1))[0]
+        return leaves
+
+    def _exact_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`to_host`, bit for bit: torch_xla's float16 download makes every
+        NaN the canonical one, so a float16 tensor that came back with NaN is
+        fetched again as its int16 bits (one small execution, only then)."""
+        hosts = self.to_host(tensors)
+        for k, (t, h) in enumerate(zip(tensors, hosts, strict=True)):
+            if t.dtype == torch.float16 and bool(torch.isnan(h).any()):
+                bits = self.kernels.bitcast(t, torch.int16)
+                hosts[k] = self.to_host([bits])[0].view(torch.float16)
+        return hosts
+
     def rank(self) -> int:
         return xr.global_ordinal()
 
@@ -252,7 +377,18 @@ class XlaTransport(Transport):
         # theirs (NaN included: the wire is integer) reaches the result. The
         # mask is uploaded data, so every replica traces the same graph.
         is_src = self.upload(torch.tensor([self.rank() == src]))
-        return self.all_reduce(torch.where(is_src, buf, torch.zeros_like(buf)), "sum")
+
+        def build():
+            def keep(mask, wire):
+                n = wire.shape().sizes
+                return mask.reshape([]).broadcast(n).select(wire, wire.zeros_like())
+
+            return xb.create_computation(
+                "xcoll_keep", keep, [xb.tensor_shape(is_src), xb.tensor_shape(buf)]
+            )
+
+        kept = _apply("keep", ("keep", buf.dtype, buf.shape[0]), build, [is_src, buf])[0]
+        return self.all_reduce(kept, "sum")
 
     def sync(self) -> None:
         sync(self.device)

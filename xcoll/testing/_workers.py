@@ -54,6 +54,7 @@ def _xla_worker(conn, log: str, world_size: int, env: dict[str, str], grace: flo
     devices = xm.get_xla_supported_devices()
     if len(devices) != world_size:
         raise RuntimeError(f"expected {world_size} XLA devices, found {len(devices)}: {devices}")
+    _xlac.warm_up_fallbacks(devices[0])
     inboxes = [queue.Queue() for _ in devices]
     outbox: queue.Queue = queue.Queue()
     for device, inbox in zip(devices, inboxes, strict=True):
