@@ -228,10 +228,10 @@ def _values_that_coincide(case):
     if kind == "0-d uploads":  # 1.0 on rank 0 is torch_xla's cached scalar 1.0
         out = xcoll.reduce({"x": torch.tensor(float(r) + 1).to(dev)})
         return out["x"].cpu()
-    if kind == "a natural metric":
-        out = xcoll.reduce(
-            {"correct": torch.tensor(5.0).to(dev), "seen": torch.tensor(0.0).to(dev)}
-        )
+    if kind == "a natural metric":  # rank 0's count equals its seen, rank 1's does not
+        correct = torch.tensor(5.0).to(dev)
+        seen = torch.tensor(5.0 if r == 0 else 8.0).to(dev)
+        out = xcoll.reduce({"correct": correct, "seen": seen})
         return torch.stack([out["correct"].cpu(), out["seen"].cpu()])
     if kind == "one tensor twice":  # under two keys on rank 0 only, even with the check
         t = torch.arange(3.0).to(dev)
@@ -248,8 +248,53 @@ def test_values_and_aliases_never_change_the_program(pool, kind):
     results = pool.run(_values_that_coincide, [(kind, r) for r in range(w)], timeout=120)
     expected = {
         "0-d uploads": torch.tensor(float(sum(range(1, w + 1)))),
-        "a natural metric": torch.tensor([5.0 * w, 0.0]),
+        "a natural metric": torch.tensor([5.0 * w, 5.0 + 8.0 * (w - 1)]),
         "one tensor twice": torch.arange(3.0).repeat(2 * w),
     }[kind]
     for got in results:
         assert torch.equal(got, expected), (got, expected)
+
+
+_SAME_PROGRAM = """
+import math, torch, torch_xla, xcoll
+dev = torch_xla.device()
+up = lambda v: torch.tensor(v).to(dev)  # a user's 0-d upload
+base = torch.arange(3.0).to(dev)
+
+def trees():
+    for a, b in [(0.0, 0.0), (-0.0, 0.0), (1.0, 1.0), (2.0, 3.0), (math.nan, 1.0), (1.0, 0.0)]:
+        yield {"a": up(a), "b": up(b), "t": torch.arange(3.0).to(dev), "u": base}
+    yield {"a": up(2.0), "b": up(2.0), "t": base, "u": base}             # one tensor twice
+    yield {"a": up(2.0), "b": up(5.0), "t": base.detach(), "u": base}    # one buffer twice
+
+for name, call in [
+    ("gather", lambda t: xcoll.gather(t, sync=False)),
+    ("sum", lambda t: xcoll.reduce(t, sync=False)),
+    ("mean", lambda t: xcoll.reduce(t, "mean", sync=False)),
+    ("max", lambda t: xcoll.reduce(t, "max", sync=False)),
+    ("broadcast", lambda t: xcoll.broadcast(t, sync=False)),
+]:
+    programs = set()
+    for tree in trees():
+        out = call(tree)
+        programs.add(torch_xla._XLAC._get_xla_tensors_hlo(list(out.values())))
+        xcoll.sync()
+    assert len(programs) == 1, (name, len(programs))
+print("ok")
+"""
+
+
+def test_one_program_whatever_the_values_under_default_settings():
+    # torch_xla's defaults (special scalars on), one replica, in a fresh process:
+    # the traced program of each call must not depend on the values or aliasing
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "CPU_"))}
+    env["PJRT_DEVICE"] = "CPU"
+    result = subprocess.run(
+        [sys.executable, "-c", _SAME_PROGRAM], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")

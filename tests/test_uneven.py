@@ -26,6 +26,10 @@ def shard(rank: int, n: int, seed: int) -> dict:
             torch.randn(2, n, generator=g).to(torch.bfloat16),
             torch.rand(n, generator=g) > 0.5,
         ],
+        # every float16 bit pattern, NaN payloads included (the download keeps them)
+        "half": torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int16).view(
+            torch.float16
+        ),
         "rank": rank,
     }
 
@@ -39,6 +43,7 @@ def expected(sizes: list[int], seed: int, dim: int) -> dict:
             torch.cat([s["extra"][0] for s in shards], 1),
             torch.cat([s["extra"][1] for s in shards]),
         ],
+        "half": torch.cat([s["half"] for s in shards]),
         "rank": list(range(len(sizes))),
     }
 
@@ -57,6 +62,7 @@ def _uneven(args):
         "pred": first["pred"],
         "label": first["label"],
         "extra": [second, first["flag"]],
+        "half": first["half"],
         "rank": first["rank"],
     }
     return to_cpu(out), sorted({t.device.type for t in (first["pred"], second)})

@@ -51,7 +51,8 @@ class Flat:
     ``signature`` holds what a call's plan depends on, one entry per leaf: a
     tensor's ``(dtype, shape, device, layout)``, a Python scalar's type.
     ``devices`` are the distinct devices of the tensor leaves, in order of
-    appearance; ``scalars`` the indices of the Python scalar leaves.
+    appearance; ``scalars`` the indices of the Python scalar leaves;
+    ``zero_d`` those of the 0-d tensor leaves.
 
     >>> flat = flatten({"b": [torch.zeros(2), 3], "a": 1.5})
     >>> flat.paths
@@ -66,6 +67,7 @@ class Flat:
     signature: tuple
     devices: tuple[torch.device, ...]
     scalars: tuple[int, ...]
+    zero_d: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple:
@@ -93,8 +95,8 @@ def _paths(treespec: optree.PyTreeSpec) -> list[str]:
 
 # (treespec, signature) of trees already checked -> (the indices of their Python
 # int leaves, whose range is checked on every call; their tensor devices; the
-# indices of their Python scalars).
-_checked: _memo.Memo[tuple[list[int], tuple[torch.device, ...], tuple[int, ...]]] = _memo.Memo()
+# indices of their Python scalars; those of their 0-d tensors).
+_checked: _memo.Memo[tuple] = _memo.Memo()
 
 
 def flatten(tree: Any) -> Flat:
@@ -130,15 +132,16 @@ def flatten(tree: Any) -> Flat:
         _check(leaves, treespec)
         raise
 
-    def check() -> tuple[list[int], tuple[torch.device, ...], tuple[int, ...]]:
+    def check() -> tuple:
         _check(leaves, treespec)
         scalars = tuple(i for i, s in enumerate(signature) if not isinstance(s, tuple))
         ints = [i for i in scalars if issubclass(signature[i], int) and signature[i] is not bool]
         devices = tuple(dict.fromkeys(s[2] for s in signature if isinstance(s, tuple)))
-        return ints, devices, scalars
+        zero_d = tuple(i for i, s in enumerate(signature) if isinstance(s, tuple) and not s[1])
+        return ints, devices, scalars, zero_d
 
     known = _checked.get((treespec, signature), check)
-    flat = Flat(tree, leaves, treespec, signature, known[1], known[2])
+    flat = Flat(tree, leaves, treespec, signature, *known[1:])
     for i in known[0]:
         if not _INT64_MIN <= leaves[i] <= _INT64_MAX:
             raise ValueError(f"{flat.path(i)}: Python int {leaves[i]} does not fit in int64")

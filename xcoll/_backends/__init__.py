@@ -18,6 +18,13 @@ from .base import LocalTransport, Transport
 
 __all__ = ["Transport", "current", "resolve", "xla_runtime_running"]
 
+if sys.modules.get("torch_xla") is not None:
+    # torch_xla came first: from now on 0-d values of 0 and 1 are traced as
+    # data (the leaves a user makes after ``import xcoll`` included).
+    from . import _xlac
+
+    _xlac.scalars_as_data()
+
 
 def xla_runtime_running() -> bool:
     """Whether this process runs the XLA runtime. Only asks torch_xla if the

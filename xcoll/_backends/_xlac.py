@@ -106,6 +106,15 @@ def sync_only(tensors: Sequence[torch.Tensor]) -> None:
     _binding("_xla_sync_multi")(list(tensors), devices=[], wait=False)
 
 
+def data_handles(tensors: Sequence[torch.Tensor]) -> list[int] | None:
+    """:func:`data_handle` of every tensor in one call, or None if any of them
+    is pending computation."""
+    try:
+        return list(_binding("_get_tensors_handle")(list(tensors)))
+    except RuntimeError:
+        return None
+
+
 def data_handle(t: torch.Tensor) -> int | None:
     """The device buffer that ``t`` holds, or None if ``t`` is pending
     computation (no public API tells them apart). Two tensors with one handle
@@ -127,3 +136,13 @@ def warm_up_fallbacks(device: Any) -> None:
     docs/design.md). One ``.item()`` first creates the counter. Other fallback
     ops race the same way on their first concurrent use."""
     torch.tensor([0]).to(device).item()
+
+
+def scalars_as_data() -> None:
+    """Makes torch_xla trace 0-d values of 0 and 1 as data, like every other
+    value, as ``XLA_NO_SPECIAL_SCALARS=1`` does from the start. Its default makes
+    them constants of the program, so replicas whose 0-d values differ only in
+    being 0 or 1 would compile different programs. Public API: only the
+    environment variable, which must be set before torch_xla starts."""
+    if _binding("_get_xla_handle_special_scalars")():
+        _binding("_set_xla_handle_special_scalars")(False)

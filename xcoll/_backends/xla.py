@@ -40,6 +40,10 @@ from .base import Kernels, Transport
 
 SYNC_LOCK = threading.Lock()
 
+# From the first XLA call on, 0-d values of 0 and 1 are data, not constants
+# (docs/design.md, "One program on every replica").
+_xlac.scalars_as_data()
+
 _XLA_TYPES = {
     torch.float64: xb.Type.F64,
     torch.float32: xb.Type.F32,
@@ -130,8 +134,10 @@ def _encode_reduce(op, dtype: torch.dtype, how: str):
     return (op == zero).select(zero, op)  # -0.0 as +0.0 (XLA may drop an "x + 0.0")
 
 
-def _decode_reduce(op, dtype: torch.dtype, how: str, means, world: int):
-    """_wire.decode_reduce in an XLA computation."""
+def _decode_reduce(op, dtype: torch.dtype, how: str, means, divisor):
+    """_wire.decode_reduce in an XLA computation. ``divisor`` (W, a parameter:
+    XLA turns a division by a constant into a multiplication by its reciprocal,
+    which is not correctly rounded when W is not a power of two)."""
     if dtype == torch.bool:
         return op != op.zeros_like()
     if not dtype.is_floating_point:
@@ -147,11 +153,21 @@ def _decode_reduce(op, dtype: torch.dtype, how: str, means, world: int):
                     pieces.append(op.slice_in_dim(at, start, 0))
                 if stop > start:
                     part = op.slice_in_dim(start, stop, 0)
-                    pieces.append(part / part.scalar_like(world))
+                    pieces.append(part / divisor.reshape([]).broadcast([stop - start]))
                 at = stop
             op = xb.Op.concat_in_dim(pieces, 0) if len(pieces) > 1 else pieces[0]
         op = op.cast(_XLA_TYPES[dtype]) if _wire.ACCUMULATE.get(dtype, dtype) != dtype else op
     return (op != op).select(op.scalar_like(float("nan")), op)
+
+
+# (device, dtype, W) -> W as a (1,) device tensor (uploaded once; a 1-d upload
+# is never shared with another value).
+_divisors: _memo.Memo[torch.Tensor] = _memo.Memo(locked=True)
+
+
+def _divisor(device: torch.device, dtype: torch.dtype, world: int) -> torch.Tensor:
+    key = (str(device), dtype, world)
+    return _divisors.get(key, lambda: torch.tensor([world], dtype=dtype).to(device))
 
 
 class XlaKernels(Kernels):
@@ -238,18 +254,24 @@ class XlaKernels(Kernels):
         return _apply("encode_reduce", key, build, bufs)
 
     def decode_reduce(self, outs, dtypes, ops, means, world):
+        # W as data, one (1,) tensor per dtype that a mean is divided in
+        divided = sorted({o.dtype for o, m in zip(outs, means, strict=True) if m}, key=str)
+        divisors = [_divisor(outs[0].device, d, world) for d in divided]
+
         def build():
             def decode(*params):
+                by_dtype = dict(zip(divided, params[len(outs) :], strict=True))
                 return xb.Op.tuple(
                     [
-                        _decode_reduce(p, d, how, m, world)
-                        for p, d, how, m in zip(params, dtypes, ops, means, strict=True)
+                        _decode_reduce(p, d, how, m, by_dtype.get(o.dtype))
+                        for p, o, d, how, m in zip(
+                            params[: len(outs)], outs, dtypes, ops, means, strict=True
+                        )
                     ]
                 )
 
-            return xb.create_computation(
-                "xcoll_decode_reduce", decode, [xb.tensor_shape(o) for o in outs]
-            )
+            shapes = [xb.tensor_shape(t) for t in [*outs, *divisors]]
+            return xb.create_computation("xcoll_decode_reduce", decode, shapes)
 
         key = (
             "decode_reduce",
@@ -259,7 +281,7 @@ class XlaKernels(Kernels):
             world,
             tuple(o.shape[0] for o in outs),
         )
-        return _apply("decode_reduce", key, build, outs)
+        return _apply("decode_reduce", key, build, [*outs, *divisors])
 
     def split(self, flats, shapes):
         def build():
@@ -320,35 +342,30 @@ class XlaTransport(Transport):
         # anywhere in the graph, its collective token included), or one tensor
         # passed twice. Each such leaf is fetched (a transfer: it is data, so
         # nothing runs) and uploaded again (a 0-d one as 1-d: torch_xla shares
-        # no upload of more than 0 dims).
-        # A pending tensor passed twice cannot be split this way; docs/design.md.
-        leaves, seen, redo = flat.leaves, set(), []
-        for i, sig in enumerate(flat.signature):
-            if not isinstance(sig, tuple):
-                continue
-            leaf = leaves[i]
-            again = id(leaf) in seen
-            seen.add(id(leaf))
-            if (again or not sig[1]) and _xlac.data_handle(leaf) is not None:
+        # no upload of more than 0 dims). A pending tensor passed twice cannot
+        # be split this way (docs/design.md).
+        leaves = flat.leaves
+        redo = [i for i in flat.zero_d if _xlac.data_handle(leaves[i]) is not None]
+        tensors = [i for i, s in enumerate(flat.signature) if isinstance(s, tuple)]
+        handles = _xlac.data_handles([leaves[i] for i in tensors])
+        if handles is not None:  # all data: any two that share a buffer (t, t.detach())
+            shared = handles
+        elif len({id(leaves[i]) for i in tensors}) < len(tensors):  # one tensor twice
+            shared = [id(leaves[i]) if _xlac.data_handle(leaves[i]) else None for i in tensors]
+        else:
+            shared = []
+        seen: set[int] = set()
+        for i, h in zip(tensors, shared, strict=False):
+            if h is not None and h in seen and i not in redo:
                 redo.append(i)
+            seen.add(h)
         if not redo:
             return leaves
         leaves = list(leaves)
-        for i, host in zip(redo, self._exact_host([leaves[i] for i in redo]), strict=True):
+        for i, host in zip(redo, self.to_host([leaves[i] for i in redo]), strict=True):
             # (0-d: as 1-d, then a view, the same on every replica whose leaf is data)
             leaves[i] = self.upload(host) if host.dim() else self.upload(host.reshape(1))[0]
         return leaves
-
-    def _exact_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """:meth:`to_host`, bit for bit: torch_xla's float16 download makes every
-        NaN the canonical one, so a float16 tensor that came back with NaN is
-        fetched again as its int16 bits (one small execution, only then)."""
-        hosts = self.to_host(tensors)
-        for k, (t, h) in enumerate(zip(tensors, hosts, strict=True)):
-            if t.dtype == torch.float16 and bool(torch.isnan(h).any()):
-                bits = self.kernels.bitcast(t, torch.int16)
-                hosts[k] = self.to_host([bits])[0].view(torch.float16)
-        return hosts
 
     def rank(self) -> int:
         return xr.global_ordinal()
@@ -394,7 +411,15 @@ class XlaTransport(Transport):
         sync(self.device)
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return _xlac.get_cpu_tensors(tensors)
+        # Bit for bit: torch_xla's float16 download makes every NaN the canonical
+        # one, so a float16 tensor that came back holding NaN is fetched again as
+        # its int16 bits (one small execution, only then).
+        hosts = _xlac.get_cpu_tensors(tensors)
+        for k, (t, h) in enumerate(zip(tensors, hosts, strict=True)):
+            if t.dtype == torch.float16 and bool(torch.isnan(h).any()):
+                bits = self.kernels.bitcast(t, torch.int16)
+                hosts[k] = _xlac.get_cpu_tensors([bits])[0].view(torch.float16)
+        return hosts
 
     def exchange(self, buf: torch.Tensor) -> torch.Tensor:
         out = self.all_gather(buf)
