@@ -349,7 +349,7 @@ class XlaTransport(Transport):
         tensors = [i for i, s in enumerate(flat.signature) if isinstance(s, tuple)]
         handles = _xlac.data_handles([leaves[i] for i in tensors])
         if handles is not None:  # all data: any two that share a buffer (t, t.detach())
-            shared = handles
+            shared = handles if len(set(handles)) < len(handles) else []
         elif len({id(leaves[i]) for i in tensors}) < len(tensors):  # one tensor twice
             shared = [id(leaves[i]) if _xlac.data_handle(leaves[i]) else None for i in tensors]
         else:
