@@ -355,9 +355,16 @@ def call(op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = Fal
         plan = _prepare(op, flat, transport, sync, to_cpu)
     except (TypeError, ValueError) as e:
         error = e
-    if _check.due():
+    if transport is None:  # the call's own error is the one to report
+        try:
+            transport = _backends.current(group)
+        except RuntimeError:
+            if error is None:
+                raise
+            raise error from None
+    if _check.due(transport):
         _check.verify(
-            transport or _backends.current(group),
+            transport,
             op.name,
             op.head(sync, to_cpu),
             None if plan is None else plan.description,

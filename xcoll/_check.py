@@ -14,7 +14,8 @@ A description's per-leaf part depends only on the tree's signature and is
 built once per cached plan, so a checked call costs one 32-byte exchange.
 
 When it runs (``XCOLL_CHECK`` or :func:`consistency_checks`): ``"first"`` (the
-default) checks the first call of each replica, which catches a structure that
+default) checks each replica's first call on each process group (or XLA
+world), whichever thread makes it, which catches a structure that
 differs from the start of a run; ``"always"`` checks every call (one more small
 collective per call: see docs/reliability.md for its measured cost);
 ``"never"`` turns it off.
@@ -35,7 +36,7 @@ from . import _exchange, _tree
 from ._backends.base import Transport
 
 MODES = ("first", "always", "never")
-_local = threading.local()  # per replica main thread (XLA:CPU runs one thread per replica)
+_local = threading.local()  # the mode set by consistency_checks, per thread
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -56,14 +57,23 @@ def consistency_checks(mode: str) -> Iterator[None]:
         _local.mode = previous
 
 
-def due() -> bool:
-    """Whether this call (a public call of this thread) is checked; counts it."""
-    calls = getattr(_local, "calls", 0)
-    _local.calls = calls + 1
+# The groups this process has made a call on, by Transport.group_key: "first"
+# means the first call of this process (of this replica, on XLA) on each group,
+# whichever thread makes it, so that every member of a group agrees on which
+# call is its first (a first call on a sub-group is not one on the world).
+_called: set = set()
+_called_lock = threading.Lock()
+
+
+def due(transport: Transport) -> bool:
+    """Whether this public call, on ``transport``'s group, is checked; counts it."""
+    with _called_lock:
+        first = transport.group_key not in _called
+        _called.add(transport.group_key)
     mode = getattr(_local, "mode", None) or os.environ.get("XCOLL_CHECK", "first")
     if mode not in MODES:
         raise ValueError(f"XCOLL_CHECK must be one of {MODES}, got {mode!r}")
-    return mode == "always" or (mode == "first" and calls == 0)
+    return mode == "always" or (mode == "first" and first)
 
 
 @dataclass(frozen=True)

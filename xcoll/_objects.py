@@ -32,7 +32,7 @@ def _raise_for(failed: list[int], mine: Exception | None, what: str) -> None:
 def _checked(name: str, head: str, group: Any, error: Exception | None = None):
     """The call's transport, after the consistency check when it is due."""
     transport = _backends.current(group)
-    if _check.due():
+    if _check.due(transport):
         _check.verify(transport, name, head, _check.Description(()), error)
     if error is not None:
         raise error

@@ -109,7 +109,7 @@ def sync_rng_state(
     generator in ``generators`` draw the same values on every replica.
     """
     transport = _backends.current(group)
-    if _check.due():
+    if _check.due(transport):
         head = f"src={src} generators={len(generators)}"
         _check.verify(transport, "xcoll.sync_rng_state", head, _check.Description(()))
     # The caller's pending work runs first, on its own: replicas that drew

@@ -15,7 +15,7 @@ Nothing here knows a device type, and this module imports nothing above it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -110,6 +110,12 @@ class Transport(ABC):
     device: torch.device
     #: How this engine's device packs and cuts buffers.
     kernels: Kernels = TORCH
+
+    @property
+    def group_key(self) -> Hashable:
+        """Names this replica's group of replicas within the process (what
+        "a replica's first call on a group" is counted by)."""
+        return (type(self).__name__, str(self.device))
 
     @abstractmethod
     def rank(self) -> int: ...

@@ -40,6 +40,11 @@ class DistTransport(Transport):
         self._pending: list[Any] = []
         self._after: list[Callable[[], Any]] = []
 
+    @property
+    def group_key(self):
+        # the process group itself, whatever the device: one member per process
+        return ("dist", self.group if self.group is not None else dist.group.WORLD)
+
     def rank(self) -> int:
         return dist.get_rank(self.group)
 

@@ -1,0 +1,44 @@
+"""The consistency check's "first call" is counted per process group (per
+replica on XLA), never per thread, so every member of a group agrees on which
+of its calls is checked. Fresh pools: the state lives as long as a process."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import xcoll
+from xcoll.testing import GlooPool
+
+
+def _subgroup_first(r):
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])  # every rank creates it; only 0 and 1 use it
+    if r in (0, 1):  # their first call is on the pair, the others' on the world
+        assert xcoll.gather(torch.tensor([r]), group=pair).tolist() == [0, 1]
+    return xcoll.gather({"x": torch.tensor([10 * r])})["x"].tolist()
+
+
+def test_a_first_call_on_a_subgroup_is_not_one_on_the_world():
+    with GlooPool(4, timeout=120, collective_timeout=30) as pool:
+        assert pool.run(_subgroup_first, list(range(4))) == [[0, 10, 20, 30]] * 4
+
+
+def _second_call_from_a_new_thread(r):
+    first = xcoll.reduce(torch.tensor([r + 1]))
+    out = {}
+    call = lambda: out.update(second=xcoll.gather({"k": torch.tensor([r])})["k"])  # noqa: E731
+    if r == 0:  # rank 0 makes its second call from a thread of its own
+        t = threading.Thread(target=call)
+        t.start()
+        t.join()
+    else:
+        call()
+    return first.tolist(), out["second"].tolist()
+
+
+def test_a_new_thread_does_not_make_a_first_call_again():
+    with GlooPool(2, timeout=120, collective_timeout=30) as pool:
+        assert pool.run(_second_call_from_a_new_thread, [0, 1]) == [([3], [0, 1])] * 2
