@@ -130,8 +130,12 @@ def _encode_reduce(op, dtype: torch.dtype, how: str):
         return (bits < bits.zeros_like()).select(flipped, bits)
     wide = _wire.ACCUMULATE.get(dtype, dtype)
     op = op.cast(_XLA_TYPES[wide]) if wide != dtype else op
-    zero = op.zeros_like()
-    return (op == zero).select(zero, op)  # -0.0 as +0.0 (XLA may drop an "x + 0.0")
+    # -0.0 as +0.0, found by its bits: XLA may drop an "x + 0.0", and XLA:CPU
+    # compares subnormals as zero (a float "x == 0" would flush them)
+    carrier = _wire.BITS[wide]
+    bits = op.bitcast(_XLA_TYPES[carrier])
+    negative_zero = bits == bits.scalar_like(torch.iinfo(carrier).min)
+    return negative_zero.select(op.zeros_like(), op)
 
 
 def _decode_reduce(op, dtype: torch.dtype, how: str, means, divisor):
