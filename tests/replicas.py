@@ -75,16 +75,16 @@ def to_device(tree, dev):
 
 
 def to_cpu(tree):
-    """CPU copies of every tensor leaf, bit for bit (torch_xla's float16
-    download canonicalises NaN payloads: those travel as int16)."""
+    """CPU copies of every tensor leaf, bit for bit: XLA tensors through xcoll's
+    own download (torch_xla's float16 ``.cpu()`` canonicalises NaN payloads)."""
 
     def down(x):
         if not isinstance(x, torch.Tensor):
             return x
-        if x.device.type == "xla" and x.dtype == torch.float16:
-            from xcoll._backends.xla import XlaKernels
+        if x.device.type == "xla":
+            from xcoll._backends.xla import XlaTransport
 
-            return XlaKernels().bitcast(x, torch.int16).cpu().view(torch.float16)
+            return XlaTransport(x.device).to_host([x])[0].clone()
         return x.to("cpu", copy=True)
 
     return optree.tree_map(down, tree, none_is_leaf=False)

@@ -51,8 +51,8 @@ class Flat:
     ``signature`` holds what a call's plan depends on, one entry per leaf: a
     tensor's ``(dtype, shape, device, layout)``, a Python scalar's type.
     ``devices`` are the distinct devices of the tensor leaves, in order of
-    appearance; ``scalars`` the indices of the Python scalar leaves;
-    ``zero_d`` those of the 0-d tensor leaves.
+    appearance; ``scalars`` the indices of the Python scalar leaves,
+    ``tensors`` those of the tensor leaves, ``zero_d`` those of the 0-d ones.
 
     >>> flat = flatten({"b": [torch.zeros(2), 3], "a": 1.5})
     >>> flat.paths
@@ -67,6 +67,7 @@ class Flat:
     signature: tuple
     devices: tuple[torch.device, ...]
     scalars: tuple[int, ...]
+    tensors: tuple[int, ...] = ()
     zero_d: tuple[int, ...] = ()
 
     @property
@@ -95,7 +96,7 @@ def _paths(treespec: optree.PyTreeSpec) -> list[str]:
 
 # (treespec, signature) of trees already checked -> (the indices of their Python
 # int leaves, whose range is checked on every call; their tensor devices; the
-# indices of their Python scalars; those of their 0-d tensors).
+# indices of their Python scalars, tensors and 0-d tensors).
 _checked: _memo.Memo[tuple] = _memo.Memo()
 
 
@@ -137,8 +138,9 @@ def flatten(tree: Any) -> Flat:
         scalars = tuple(i for i, s in enumerate(signature) if not isinstance(s, tuple))
         ints = [i for i in scalars if issubclass(signature[i], int) and signature[i] is not bool]
         devices = tuple(dict.fromkeys(s[2] for s in signature if isinstance(s, tuple)))
-        zero_d = tuple(i for i, s in enumerate(signature) if isinstance(s, tuple) and not s[1])
-        return ints, devices, scalars, zero_d
+        tensors = tuple(i for i, s in enumerate(signature) if isinstance(s, tuple))
+        zero_d = tuple(i for i in tensors if not signature[i][1])
+        return ints, devices, scalars, tensors, zero_d
 
     known = _checked.get((treespec, signature), check)
     flat = Flat(tree, leaves, treespec, signature, *known[1:])

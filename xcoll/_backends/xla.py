@@ -350,7 +350,7 @@ class XlaTransport(Transport):
         # be split this way (docs/design.md).
         leaves = flat.leaves
         redo = [i for i in flat.zero_d if _xlac.data_handle(leaves[i]) is not None]
-        tensors = [i for i, s in enumerate(flat.signature) if isinstance(s, tuple)]
+        tensors = flat.tensors
         handles = _xlac.data_handles([leaves[i] for i in tensors])
         if handles is not None:  # all data: any two that share a buffer (t, t.detach())
             shared = handles if len(set(handles)) < len(handles) else []
