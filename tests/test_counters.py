@@ -81,7 +81,10 @@ def _traced(args):
     tree = {"tensors": state["x"]["tensors"]}
     if name == "reduce" and kwargs.get("op", "sum") == "sum":
         tree = _without_bools(tree)
-    out = getattr(xcoll, name)(tree, sync=False, **kwargs)
+    # (the default mode first checks a sync=False call in full, in a graph of
+    # its own: test_sync_false_joins_the_callers_step counts it)
+    with xcoll.consistency_checks("never"):
+        out = getattr(xcoll, name)(tree, sync=False, **kwargs)
     hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(out["tensors"].values()))
     state["out"] = out
     return {op: len(re.findall(rf"\s{op}\(", hlo)) for op in ("all-gather", "all-reduce")}
@@ -92,12 +95,13 @@ def _sync(_=None):
     _wait(_STATE[xcoll.rank()]["out"])
 
 
-def _step(args):
+def _step(mode):
     """A caller's step: pending work, a reduction folded in with sync=False, more work."""
     state = _STATE[xcoll.rank()]
     x = state["x"]["tensors"]["t000"]
     loss = (x * 2).sum()
-    mean = xcoll.reduce({"loss": loss}, "mean", sync=False)["loss"]
+    with xcoll.consistency_checks(mode):
+        mean = xcoll.reduce({"loss": loss}, "mean", sync=False)["loss"]
     state["out"] = {"tensors": {"step": mean + 1}}
     xcoll.sync()
     _wait(state["out"])
@@ -185,11 +189,20 @@ def _traced_ops(_):
     return len(re.findall(r"\sall-reduce\(", hlo))
 
 
-def test_sync_false_joins_the_callers_step(xla4):
+@pytest.mark.parametrize("mode", ["guard", "never"])
+def test_sync_false_joins_the_callers_step(xla4, mode):
+    # The guard cannot be read before the caller's sync, so the default mode
+    # checks a sync=False call in full first: one small execution of its own
+    # (and its fetch); the call itself joins the caller's step either way.
     w = xla4.world_size
     xla4.run(_setup, [(4, 7)] * w)
-    _delta(xla4, _step)
-    assert _delta(xla4, _step) == {"executions": w, "compiles": 0, "transfers_from_device": w}
+    _delta(xla4, _step, mode)
+    k = 2 if mode == "guard" else 1
+    assert _delta(xla4, _step, mode) == {
+        "executions": k * w,
+        "compiles": 0,
+        "transfers_from_device": k * w,
+    }
 
 
 def _back_to_back(n):

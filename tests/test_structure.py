@@ -19,13 +19,14 @@ ROOT = pathlib.Path(xcoll.__file__).parent
 
 
 LAYERS = [
-    ["xcoll._memo", "xcoll._pack", "xcoll._wire", "xcoll._codec"],
+    ["xcoll._memo", "xcoll._pack", "xcoll._wire", "xcoll._codec", "xcoll._watchdog"],
     ["xcoll._tree"],
     ["xcoll._backends.base", "xcoll._backends._xlac"],
     ["xcoll._backends.xla", "xcoll._backends.dist"],
     ["xcoll._backends"],
     ["xcoll._exchange"],
     ["xcoll._check"],
+    ["xcoll._guard"],
     ["xcoll._call"],
     ["xcoll._uneven", "xcoll._samples"],
     ["xcoll._collectives"],

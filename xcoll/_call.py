@@ -18,6 +18,7 @@ per call (``to_cpu``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import _backends, _check, _memo, _pack, _tree, _wire
+from . import _backends, _check, _guard, _memo, _pack, _tree, _watchdog, _wire
 from ._backends.base import TORCH, Kernels, Transport
 
 OPS = ("sum", "mean", "max", "min", "prod")
@@ -62,6 +63,43 @@ class Plan:
     growing: Mapping[int, int] = field(default_factory=dict)
     #: Reduce: per bucket, the ranges of mean elements (divided by W).
     means: tuple[tuple[tuple[int, int], ...], ...] = ()
+    _layouts: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def layout(self, guard: int, gathered: int | None) -> Layout:
+        """The buckets' layout with a guard header of ``guard`` elements at the
+        front of bucket 0 (``gathered``: W for a gather, whose header comes back
+        as ``(W, guard)``)."""
+        key = (guard, gathered)
+        if key not in self._layouts:
+            self._layouts[key] = Layout.of(self, guard, gathered)
+        return self._layouts[key]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per bucket: its parts' shapes, slot sizes, pieces' shapes and mean
+    ranges, with the guard header (if any) as bucket 0's first slot."""
+
+    part_shapes: list[tuple[tuple[int, ...], ...]]
+    sizes: list[list[int]]
+    shapes: list[tuple[tuple[int, ...], ...]]
+    means: list[tuple[tuple[int, int], ...]]
+    #: Bucket 0's number of elements when it starts with a guard header, else None.
+    header_total: int | None
+
+    @staticmethod
+    def of(plan: Plan, guard: int, gathered: int | None) -> Layout:
+        b = plan.buckets
+        part_shapes = [x.part_shapes for x in b]
+        sizes = [x.sizes for x in b]
+        shapes = list(plan.shapes)
+        means = list(plan.means) if plan.means else [() for _ in b]
+        if guard:
+            part_shapes[0] = ((guard,), *part_shapes[0])
+            sizes[0] = [guard, *sizes[0]]
+            shapes[0] = ((gathered, guard) if gathered else (guard,), *shapes[0])
+            means[0] = tuple((a + guard, z + guard) for a, z in means[0])
+        return Layout(part_shapes, sizes, shapes, means, sum(sizes[0]) if guard else None)
 
 
 def _layout(
@@ -72,9 +110,12 @@ def _layout(
     shape,
     description: _check.Description,
     first: frozenset[int] = frozenset(),
+    empty: Hashable = torch.uint8,
     **extra: Any,
 ) -> Plan:
-    buckets = _pack.plan(flat.leaves, keys, dtypes, first)
+    # At least one bucket, whose collective carries the guard even for a tree
+    # with no leaves to send (``empty``: its key, for a uint8 bucket).
+    buckets = _pack.plan(flat.leaves, keys, dtypes, first) or [_pack.Bucket(empty, torch.uint8)]
     shapes = [
         tuple(shape(s.leaf) for s in b.tensors) + ((lead + (len(b.scalars),),) if b.scalars else ())
         for b in buckets
@@ -119,27 +160,49 @@ class Op(ABC):
         """Validates the call for ``flat`` and lays out its buckets."""
 
     @abstractmethod
-    def apply(self, flat: _tree.Flat, transport: Transport, plan: Plan, sync: bool, to_cpu: bool):
-        """Communicates and returns the output tree."""
+    def apply(
+        self,
+        flat: _tree.Flat,
+        transport: Transport,
+        plan: Plan,
+        sync: bool,
+        to_cpu: bool,
+        signature: _guard.Signature | None,
+    ):
+        """Communicates and returns the output tree, guarded as ``signature``."""
 
 
 class Packed(Op):
     """A collective that moves packed buckets, one collective each (:func:`execute`)."""
 
-    def pack(self, kernels: Kernels, plan: Plan, live: list[int], parts) -> list[torch.Tensor]:
+    #: The guard header's kind (:func:`xcoll._guard.header`).
+    kind: str
+
+    def pack(
+        self, kernels: Kernels, plan: Plan, lay: Layout, live: list[int], parts
+    ) -> list[torch.Tensor]:
         """The wire buffer of each live bucket (indices into ``plan.buckets``)."""
-        return kernels.pack(parts, [plan.buckets[k].part_shapes for k in live], encode=True)
+        shapes = [lay.part_shapes[k] for k in live]
+        return kernels.pack(parts, shapes, encode=True, header=lay.header_total)
 
     @abstractmethod
-    def send(self, transport: Transport, wire: torch.Tensor, bucket: _pack.Bucket) -> torch.Tensor:
-        """Starts the bucket's collective."""
+    def send(
+        self, transport: Transport, wire: torch.Tensor, bucket: _pack.Bucket, guard: int
+    ) -> torch.Tensor:
+        """Starts the bucket's collective (``guard``: the length of the header
+        at its front, which every replica's collective must reach whole)."""
+
+    def how(self, bucket: _pack.Bucket, transport: Transport) -> str:
+        """How the guard header of ``bucket`` is combined (:func:`xcoll._guard.agrees`)."""
+        return ""
 
     #: Whether the collective's result holds every replica's buffer (a gather),
     #: which unpacking makes slot-major.
     gathers = False
 
     def unpack(
-        self, kernels: Kernels, plan: Plan, live: list[int], results, world: int, wire: bool
+        self, kernels: Kernels, plan: Plan, lay: Layout, live: list[int], results, world: int,
+        wire: bool,
     ) -> list[torch.Tensor]:
         """Each result as a 1-d buffer of the bucket's dtype in which each slot's
         block is contiguous, in slot order (the Python scalars' block last).
@@ -150,7 +213,7 @@ class Packed(Op):
         return kernels.unpack(
             results,
             [_wire.wire_dtype(b.dtype) if wire else b.dtype for b in buckets],
-            [b.sizes for b in buckets],
+            [lay.sizes[k] for k in live],
             world if self.gathers else None,
         )
 
@@ -169,8 +232,10 @@ class Packed(Op):
         """A Python scalar leaf's output from its slice of the scalar block."""
         return _tree.to_python(block, like)
 
-    def apply(self, flat, transport, plan, sync, to_cpu):
-        return execute(self, flat, transport, plan, sync=sync, to_cpu=to_cpu)
+    def apply(self, flat, transport, plan, sync, to_cpu, signature):
+        return execute(
+            self, flat, transport, plan, sync=sync, to_cpu=to_cpu, signature=signature
+        )
 
 
 @dataclass(frozen=True)
@@ -178,6 +243,7 @@ class Gather(Packed):
     dim: int = 0
     stack: bool = False
     name = "xcoll.gather"
+    kind = "gather"
     gathers = True
 
     def head(self, sync, to_cpu):
@@ -223,7 +289,7 @@ class Gather(Packed):
             )
         return self.dim % n
 
-    def send(self, transport, wire, bucket):
+    def send(self, transport, wire, bucket, guard):
         return transport.all_gather(wire)
 
     def finish(self, plan, i, t, world):  # (W, *shape) -> (*shape[:d], W, *shape[d:])
@@ -242,6 +308,7 @@ class Gather(Packed):
 class Reduce(Packed):
     op: Any = "sum"
     name = "xcoll.reduce"
+    kind = "reduce"
 
     def key(self, flat, world):
         return ("reduce", _tree.prefix_key(self.op), world, flat.key)
@@ -276,24 +343,29 @@ class Reduce(Packed):
             _leaf_shape(flat),
             _check.describe(flat, ops=ops),
             first=means,
+            empty=(torch.uint8, "max"),
         )
         return dataclasses.replace(plan, means=tuple(_ranges(b, means) for b in plan.buckets))
 
-    def pack(self, kernels, plan, live, parts):
-        joined = kernels.pack(parts, [plan.buckets[k].part_shapes for k in live], encode=False)
+    def pack(self, kernels, plan, lay, live, parts):
+        shapes = [lay.part_shapes[k] for k in live]
+        joined = kernels.pack(parts, shapes, encode=False, header=lay.header_total)
         return kernels.encode_reduce(joined, [plan.buckets[k].key[1] for k in live])
 
-    def send(self, transport, wire, bucket):
+    def send(self, transport, wire, bucket, guard):
         return transport.all_reduce(wire, bucket.key[1])
 
-    def unpack(self, kernels, plan, live, results, world, wire):
+    def how(self, bucket, transport):
+        return bucket.key[1]
+
+    def unpack(self, kernels, plan, lay, live, results, world, wire):
         # (NaN results are the quiet NaN, which every download keeps)
         buckets = [plan.buckets[k] for k in live]
         return kernels.decode_reduce(
             results,
             [b.dtype for b in buckets],
             [b.key[1] for b in buckets],
-            [plan.means[k] for k in live],
+            [lay.means[k] for k in live],
             world,
         )
 
@@ -317,6 +389,7 @@ def _ranges(bucket: _pack.Bucket, leaves: frozenset[int]) -> tuple[tuple[int, in
 class Broadcast(Packed):
     src: int = 0
     name = "xcoll.broadcast"
+    kind = "broadcast"
 
     def head(self, sync, to_cpu):
         return f"src={self.src} sync={sync}"
@@ -334,8 +407,11 @@ class Broadcast(Packed):
         dtypes = [_tree.dtype_of(leaf) for leaf in flat.leaves]
         return _layout(flat, dtypes, dtypes, (), _leaf_shape(flat), _check.describe(flat))
 
-    def send(self, transport, wire, bucket):
-        return transport.broadcast(wire, self.src)
+    def send(self, transport, wire, bucket, guard):
+        return transport.broadcast(wire, self.src, guard)
+
+    def how(self, bucket, transport):
+        return "sum" if transport.broadcast_sums else ""
 
 
 def _prepare(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> Plan:
@@ -347,7 +423,8 @@ def _prepare(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu:
 def call(op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = False) -> Any:
     """A public call: ``tree`` flattened once, its backend resolved once, the
     plan taken from the cache (or built, which validates), the consistency
-    check when due (a local error is shared with every replica), then run."""
+    check when due (a local error is shared with every replica), then run
+    with the guard (``_guard``) unless the mode is "never"."""
     flat = transport = plan = error = None
     try:
         flat = _tree.flatten(tree)
@@ -362,24 +439,29 @@ def call(op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = Fal
             if error is None:
                 raise
             raise error from None
-    if _check.due(transport):
-        _check.verify(
-            transport,
-            op.name,
-            op.head(sync, to_cpu),
-            None if plan is None else plan.description,
-            error,
-        )
-    if error is not None:
-        raise error
-    return op.apply(flat, transport, plan, sync, to_cpu)
+    # A lazy engine's results exist only after the caller's own sync: the
+    # guard cannot be read in time, so such a call is checked in full first.
+    head = op.head(sync, to_cpu)
+    description = None if plan is None else plan.description
+    unread = transport.lazy and not sync
+    with _guard.entered(transport, op.name, head, description, error, unread=unread) as signature:
+        return op.apply(flat, transport, plan, sync, to_cpu, signature)
 
 
-def run(op: Packed, tree: Any, transport: Transport, *, to_cpu: bool = False) -> Any:
-    """``op`` on a tree that xcoll built itself, on ``transport``, synchronously."""
+def run(
+    op: Packed,
+    tree: Any,
+    transport: Transport,
+    *,
+    to_cpu: bool = False,
+    signature: _guard.Signature | None = None,
+) -> Any:
+    """``op`` on a tree that xcoll built itself, on ``transport``, synchronously
+    (guarded as ``signature``, the public call's, if given)."""
     flat = _tree.flatten(tree)
     transport.validate(flat)
-    return execute(op, flat, transport, _prepare(op, flat, transport, True, to_cpu), to_cpu=to_cpu)
+    plan = _prepare(op, flat, transport, True, to_cpu)
+    return execute(op, flat, transport, plan, to_cpu=to_cpu, signature=signature)
 
 
 def execute(
@@ -390,14 +472,16 @@ def execute(
     *,
     sync: bool = True,
     to_cpu: bool = False,
+    signature: _guard.Signature | None = None,
 ) -> Any:
-    """Runs one collective per bucket and returns the output tree.
+    """Runs one collective per bucket and returns the output tree; with
+    ``signature``, the first carries the guard, checked before anything returns.
 
     Outputs never require grad (collectives are not differentiated) and never
     alias the inputs. Python scalar leaves come back as Python values.
     """
     with torch.no_grad():
-        out = _leaves_out(op, flat, transport, plan, sync, to_cpu)
+        out = _leaves_out(op, flat, transport, plan, sync, to_cpu, signature)
     for i in flat.scalars:
         out[i] = op.scalar(out[i], flat.leaves[i])
     return flat.unflatten(out)
@@ -409,13 +493,15 @@ def _place(op: Packed, plan: Plan, bucket: _pack.Bucket, pieces, out: list[Any],
         out[s.leaf] = op.finish(plan, s.leaf, t, w) if s.leaf in plan.moved else t
 
 
-def _leaves_out(op, flat, transport, plan, sync, to_cpu) -> list[Any]:
+def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]:
     """The output leaves, in leaf order (Python scalars as 0-d CPU tensors)."""
     w = transport.world_size()
+    guard = _guard.size(op.kind) if signature is not None else 0
+    lay = plan.layout(guard, w if op.gathers else None)
     out: list[Any] = [None] * len(flat.leaves)
     live: list[int] = []
     for k, (b, shapes) in enumerate(zip(plan.buckets, plan.shapes, strict=True)):
-        if b.size:
+        if b.size or (guard and k == 0):  # bucket 0 carries the guard
             live.append(k)
             continue
         for s, shape in zip(b.tensors, shapes, strict=True):  # only empty tensors: nothing to send
@@ -425,44 +511,79 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu) -> list[Any]:
     if not live:
         return out
     buckets = [plan.buckets[k] for k in live]
-    shapes = [plan.shapes[k] for k in live]
+    shapes = [lay.shapes[k] for k in live]
     leaves = transport.own_buffers(flat)
     parts = [_pack.parts(b, leaves, transport.upload) for b in buckets]
     del leaves
-    wires = op.pack(transport.kernels, plan, live, parts)
+    if guard:
+        fp, how = signature.fingerprint(), op.how(buckets[0], transport)
+        mine = _guard.header(fp, buckets[0].dtype, op.kind, how, w)
+        parts[0] = [_guard.uploaded(transport, fp, mine, op.kind), *parts[0]]
+    wires = op.pack(transport.kernels, plan, lay, live, parts)
     del parts
-    results = [op.send(transport, wire, b) for wire, b in zip(wires, buckets, strict=True)]
-    del wires
-    try:
-        transport.wait()  # eager engines started every collective asynchronously
-    except RuntimeError as e:  # e.g. gloo's timeout when a replica never arrives
-        raise RuntimeError(
-            f"{op.name}: a collective did not complete on rank {transport.rank()}: {e}"
-        ) from e
-    flats = op.unpack(transport.kernels, plan, live, results, w, wire=to_cpu)
-    del results
-    if to_cpu:
-        transport.sync()
-        pieces = TORCH.split(op.decode_on_host(plan, live, transport.to_host(flats)), shapes)
-    else:
-        # Outputs are traced before the sync so that it materialises them; only
-        # they and the scalar blocks stay referenced, so they alone become graph
-        # outputs.
-        pieces = transport.kernels.split(flats, shapes)
-    del flats
-    # Only the outputs and the scalar blocks may stay referenced at the sync: a
-    # piece that was finished (moved) would become a graph output of its own.
-    blocks = [
-        bucket_pieces[-1] for b, bucket_pieces in zip(buckets, pieces, strict=True) if b.scalars
-    ]
-    for b, bucket_pieces in zip(buckets, pieces, strict=True):
-        _place(op, plan, b, bucket_pieces, out, w)
-    del pieces, bucket_pieces
-    if not to_cpu:
-        if sync:
+
+    def wait() -> None:
+        try:
+            transport.wait()  # eager engines started every collective asynchronously
+        except RuntimeError as e:  # e.g. gloo's timeout when a replica never arrives
+            raise RuntimeError(
+                f"{op.name}: a collective did not complete on rank {transport.rank()}: {e} "
+                "(a replica that never arrived, or that the engine stopped: gloo kills a rank "
+                "that receives a larger buffer than its own, as when replicas' calls differ; "
+                "XCOLL_CHECK=always names such a difference)"
+            ) from e
+
+    def check(got: bytes, expected: bytes) -> None:
+        # The same result on every replica, so the same verdict (_guard)
+        if got != expected:
+            _guard.fire(transport, signature, None if how or op.kind != "broadcast" else op.src)
+
+    watch = (
+        _watchdog.watch(lambda seconds: _guard.diagnosis(transport, signature, seconds))
+        if guard and w > 1
+        else contextlib.nullcontext()
+    )
+    with watch:
+        results = [op.send(transport, wires[0], buckets[0], guard)]
+        if guard and not transport.lazy:  # checked before the call's other collectives start
+            wait()
+            check(_guard.as_bytes(results[0], w if op.gathers else None, guard), mine.wire)
+        results += [op.send(transport, x, b, 0) for x, b in zip(wires[1:], buckets[1:], strict=True)]
+        del wires
+        wait()
+        flats = op.unpack(transport.kernels, plan, lay, live, results, w, wire=to_cpu)
+        del results
+        if to_cpu:
             transport.sync()
-        if blocks:
-            blocks = transport.to_host(blocks)
+            pieces = TORCH.split(op.decode_on_host(plan, live, transport.to_host(flats)), shapes)
+        else:
+            # Outputs are traced before the sync so that it materialises them; only
+            # they, the scalar blocks and the header stay referenced, so they alone
+            # become graph outputs.
+            pieces = transport.kernels.split(flats, shapes)
+        del flats
+        # the header's piece of bucket 0: read here on lazy engines
+        header = pieces[0].pop(0) if guard and transport.lazy else None
+        if guard and not transport.lazy:
+            del pieces[0][0]
+        if header is not None and to_cpu:
+            check(_guard.as_bytes(header), mine.decoded)
+            header = None
+        # Only the outputs and the scalar blocks may stay referenced at the sync: a
+        # piece that was finished (moved) would become a graph output of its own.
+        blocks = [
+            bucket_pieces[-1] for b, bucket_pieces in zip(buckets, pieces, strict=True) if b.scalars
+        ]
+        for b, bucket_pieces in zip(buckets, pieces, strict=True):
+            _place(op, plan, b, bucket_pieces, out, w)
+        del pieces, bucket_pieces
+        if not to_cpu:
+            if sync:
+                transport.sync()
+            if blocks or header is not None:
+                blocks = transport.to_host(blocks + ([header] if header is not None else []))
+                if header is not None:
+                    check(_guard.as_bytes(blocks.pop()), mine.decoded)
     scalar_buckets = [b for b in buckets if b.scalars]
     for b, block in zip(scalar_buckets, blocks, strict=True):
         for j, s in enumerate(b.scalars):

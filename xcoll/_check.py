@@ -13,12 +13,13 @@ the digests differ, every replica exchanges the descriptions and raises
 A description's per-leaf part depends only on the tree's signature and is
 built once per cached plan, so a checked call costs one 32-byte exchange.
 
-When it runs (``XCOLL_CHECK`` or :func:`consistency_checks`): ``"first"`` (the
-default) checks each replica's first call on each process group (or XLA
-world), whichever thread makes it, which catches a structure that
-differs from the start of a run; ``"always"`` checks every call (one more small
-collective per call: see docs/reliability.md for its measured cost);
-``"never"`` turns it off.
+When it runs (``XCOLL_CHECK`` or :func:`consistency_checks`): ``"guard"`` (the
+default) on each replica's first call on each process group (or XLA world),
+whichever thread makes it, so that a structure that differs from the start of
+a run is named before any engine sees mismatched buffers, and after the guard
+(``_guard``), which every call carries, has found a difference; ``"always"``
+on every call (one more small collective per call: docs/reliability.md has its
+measured cost); ``"never"`` turns both the check and the guard off.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from . import _exchange, _tree
 from ._backends.base import Transport
 
-MODES = ("first", "always", "never")
+MODES = ("guard", "always", "never")
 _local = threading.local()  # the mode set by consistency_checks, per thread
 
 
@@ -46,7 +47,7 @@ class CollectiveMismatchError(RuntimeError):
 @contextlib.contextmanager
 def consistency_checks(mode: str) -> Iterator[None]:
     """Checks calls made in this block (on this thread) in ``mode``:
-    ``"first"``, ``"always"`` or ``"never"``."""
+    ``"guard"``, ``"always"`` or ``"never"``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     previous = getattr(_local, "mode", None)
@@ -57,23 +58,29 @@ def consistency_checks(mode: str) -> Iterator[None]:
         _local.mode = previous
 
 
-# The groups this process has made a call on, by Transport.group_key: "first"
-# means the first call of this process (of this replica, on XLA) on each group,
+# The groups this process has made a call on, by Transport.group_key: "guard"
+# checks the first call of this process (of this replica, on XLA) on each group,
 # whichever thread makes it, so that every member of a group agrees on which
 # call is its first (a first call on a sub-group is not one on the world).
 _called: set = set()
 _called_lock = threading.Lock()
 
 
-def due(transport: Transport) -> bool:
-    """Whether this public call, on ``transport``'s group, is checked; counts it."""
+def mode() -> str:
+    """This thread's mode: :func:`consistency_checks`, else ``XCOLL_CHECK``."""
+    m = getattr(_local, "mode", None) or os.environ.get("XCOLL_CHECK", "guard")
+    if m not in MODES:
+        raise ValueError(f"XCOLL_CHECK must be one of {MODES}, got {m!r}")
+    return m
+
+
+def due(transport: Transport, m: str) -> bool:
+    """Whether this public call, on ``transport``'s group, in mode ``m``, is
+    checked before it communicates; counts it."""
     with _called_lock:
         first = transport.group_key not in _called
         _called.add(transport.group_key)
-    mode = getattr(_local, "mode", None) or os.environ.get("XCOLL_CHECK", "first")
-    if mode not in MODES:
-        raise ValueError(f"XCOLL_CHECK must be one of {MODES}, got {mode!r}")
-    return mode == "always" or (mode == "first" and first)
+    return m == "always" or (m == "guard" and first)
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,7 @@ def verify(
     other = differ[0]
     mine = [*lines, *body.lines]
     every = _exchange.gather_bytes(transport, "\n".join(mine).encode("utf-8", "surrogatepass"))
+    assert every is not None
     theirs = every[other].decode("utf-8", "surrogatepass").split("\n")
     at = next(
         (k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),

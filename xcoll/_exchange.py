@@ -38,12 +38,19 @@ def sha256(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
-def gather_bytes(transport: Transport, data: bytes | None) -> list[bytes | None]:
+def gather_bytes(
+    transport: Transport, data: bytes | None, tag: bytes = b""
+) -> list[bytes | None] | None:
     """Every replica's ``data`` in rank order (``None`` where a replica passed
     ``None``: it has nothing to send, e.g. it could not encode its object).
-    Two exchanges: the sizes, then the bytes padded to a shared size bucket."""
-    size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64)
-    sizes = transport.exchange(transport.upload(size))[:, 0].tolist()
+    Two exchanges: the sizes (with ``tag``, the same length on every
+    replica), then the bytes padded to a shared size bucket. None, after the
+    first, where the replicas' tags differ."""
+    head = [-1 if data is None else len(data), *tag]
+    rows = transport.exchange(transport.upload(torch.tensor(head, dtype=torch.int64)))
+    if not bool((rows[:, 1:] == rows[transport.rank(), 1:]).all()):
+        return None
+    sizes = rows[:, 0].tolist()
     padded = _pack.size_bucket(max(0, *sizes))
     if padded == 0:  # nothing to send (an XLA all-gather of no elements fails)
         return [None if n < 0 else b"" for n in sizes]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _backends, _call, _check, _codec, _exchange, _pack
+from . import _backends, _call, _check, _codec, _exchange, _guard, _pack
 
 
 def _encode_or_error(obj: Any) -> tuple[bytes | None, Exception | None]:
@@ -29,14 +29,10 @@ def _raise_for(failed: list[int], mine: Exception | None, what: str) -> None:
     raise ValueError(f"{what}: replica(s) {failed} could not encode their object (see their error)")
 
 
-def _checked(name: str, head: str, group: Any, error: Exception | None = None):
-    """The call's transport, after the consistency check when it is due."""
+def _entered(name: str, head: str, group: Any, error: Exception | None = None):
+    """The call's entry (:func:`xcoll._guard.entered`) on its transport."""
     transport = _backends.current(group)
-    if _check.due(transport):
-        _check.verify(transport, name, head, _check.Description(()), error)
-    if error is not None:
-        raise error
-    return transport
+    return transport, _guard.entered(transport, name, head, _check.Description(()), error)
 
 
 def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
@@ -50,13 +46,17 @@ def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
     >>> xcoll.gather_object({"epoch": 3, "tags": ("a", "b")})  # a world of one
     [{'epoch': 3, 'tags': ('a', 'b')}]
     """
-    transport = _checked("xcoll.gather_object", "", group)
-    data, error = _encode_or_error(obj)
-    every = _exchange.gather_bytes(transport, data)
-    failed = [r for r, d in enumerate(every) if d is None]
-    if failed:
-        _raise_for(failed, error, "gather_object")
-    return [_codec.decode(d) for d in every]
+    transport, entry = _entered("xcoll.gather_object", "", group)
+    with entry as signature:
+        data, error = _encode_or_error(obj)
+        tag = b"" if signature is None else signature.fingerprint()[:8]
+        every = _exchange.gather_bytes(transport, data, tag)
+        if every is None:  # the tags differ: so do the calls
+            _guard.fire(transport, signature)
+        failed = [r for r, d in enumerate(every) if d is None]
+        if failed:
+            _raise_for(failed, error, "gather_object")
+        return [_codec.decode(d) for d in every]
 
 
 def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
@@ -66,15 +66,17 @@ def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
     >>> xcoll.broadcast_object(["config", {"lr": 0.1}])
     ['config', {'lr': 0.1}]
     """
-    transport = _checked("xcoll.broadcast_object", f"src={src}", group)
-    mine = transport.rank() == src
-    data, error = _encode_or_error(obj) if mine else (b"", None)
-    size = _call.run(_call.Broadcast(src), -1 if data is None else len(data), transport)
-    if size < 0:
-        _raise_for([src], error, "broadcast_object")
-    buf = transport.upload(_exchange.bytes_tensor(data or b"", _pack.size_bucket(size)))
-    out = _call.run(_call.Broadcast(src), buf, transport)
-    return _codec.decode(transport.to_host([out])[0][:size].numpy().tobytes())
+    transport, entry = _entered("xcoll.broadcast_object", f"src={src}", group)
+    with entry as signature:
+        mine = transport.rank() == src
+        data, error = _encode_or_error(obj) if mine else (b"", None)
+        size = -1 if data is None else len(data)
+        size = _call.run(_call.Broadcast(src), size, transport, signature=signature)
+        if size < 0:
+            _raise_for([src], error, "broadcast_object")
+        buf = transport.upload(_exchange.bytes_tensor(data or b"", _pack.size_bucket(size)))
+        out = _call.run(_call.Broadcast(src), buf, transport)
+        return _codec.decode(transport.to_host([out])[0][:size].numpy().tobytes())
 
 
 def barrier(tag: str = "", *, group: Any = None) -> None:
@@ -90,10 +92,17 @@ def barrier(tag: str = "", *, group: Any = None) -> None:
     if type(tag) is not str:
         error = TypeError(f"barrier tag must be a str, got {type(tag).__qualname__}")
     # The tags themselves are compared below, and named if they differ.
-    transport = _checked("xcoll.barrier", "", group, error)
-    if _exchange.differing(transport, _exchange.sha256(tag)):
+    transport, entry = _entered("xcoll.barrier", "", group, error)
+    with entry as signature:
+        guard = "" if signature is None else signature.fingerprint().hex()
+        if not _exchange.differing(transport, _exchange.sha256(guard + "\n" + tag)):
+            return
         tags = _exchange.gather_bytes(transport, tag.encode("utf-8", "surrogatepass"))
+        assert tags is not None
+        if len(set(tags)) == 1:  # the same tag: the calls differ
+            _guard.fire(transport, signature)
         listing = ", ".join(
-            f"rank {r}: {t.decode('utf-8', 'surrogatepass')!r}" for r, t in enumerate(tags)
+            f"rank {r}: {t.decode('utf-8', 'surrogatepass')!r}"  # type: ignore[union-attr]
+            for r, t in enumerate(tags)
         )
         raise ValueError(f"barrier tags differ between replicas ({listing})")

@@ -22,7 +22,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _backends, _call, _check
+from . import _backends, _call, _check, _guard
 
 
 def _numpy():
@@ -109,9 +109,13 @@ def sync_rng_state(
     generator in ``generators`` draw the same values on every replica.
     """
     transport = _backends.current(group)
-    if _check.due(transport):
-        head = f"src={src} generators={len(generators)}"
-        _check.verify(transport, "xcoll.sync_rng_state", head, _check.Description(()))
+    head = f"src={src} generators={len(generators)}"
+    name = "xcoll.sync_rng_state"
+    with _guard.entered(transport, name, head, _check.Description(())) as signature:
+        _sync(transport, src, generators, signature)
+
+
+def _sync(transport, src: int, generators: Sequence[torch.Generator], signature) -> None:
     # The caller's pending work runs first, on its own: replicas that drew
     # different numbers of random values (why they sync) have different pending
     # graphs, which in the broadcast's graph would be different programs.
@@ -120,7 +124,7 @@ def sync_rng_state(
     state = optree.tree_map(
         lambda x: transport.upload(x) if isinstance(x, torch.Tensor) else x, rng_state(generators)
     )
-    synced = _call.run(_call.Broadcast(src), state, transport)
+    synced = _call.run(_call.Broadcast(src), state, transport, signature=signature)
     leaves, spec = optree.tree_flatten(synced)
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     for i, host in zip(tensors, transport.to_host([leaves[i] for i in tensors]), strict=True):

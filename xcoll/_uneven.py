@@ -84,7 +84,7 @@ class UnevenGather(_call.Op):
         dims = growing_dims(flat, self.dim)  # only that dim may differ between replicas
         return _call.Plan([], [], _check.describe(flat, dims), growing=dims)
 
-    def apply(self, flat, transport, plan, sync, to_cpu):
+    def apply(self, flat, transport, plan, sync, to_cpu, signature):
         dims = plan.growing
         idx = list(dims)
         # The caller's pending work runs first, on its own: here it typically has
@@ -96,7 +96,7 @@ class UnevenGather(_call.Op):
 
         if self.max_size is None:
             shapes = transport.upload(_shapes(idx, host))
-            every = _call.run(_STACKED, shapes, transport, to_cpu=True)
+            every = _call.run(_STACKED, shapes, transport, to_cpu=True, signature=signature)
             sizes = _check_shapes(flat, idx, dims, every)
             target = _pack.size_bucket(int(sizes.max())) if idx else 0
         else:
@@ -114,7 +114,9 @@ class UnevenGather(_call.Op):
         }
         if self.max_size is not None:
             payload["sizes"] = transport.upload(torch.tensor(local, dtype=torch.int64))
-        got = _call.run(_STACKED, payload, transport, to_cpu=True)
+        # (with max_size, the data carries the guard; else the shapes did)
+        first = signature if self.max_size is not None else None
+        got = _call.run(_STACKED, payload, transport, to_cpu=True, signature=first)
         if self.max_size is not None:
             sizes = got["sizes"]
             _check_max_size(flat, idx, dims, sizes, self.max_size)

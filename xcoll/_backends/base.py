@@ -39,11 +39,13 @@ class Kernels:
         parts: Sequence[Sequence[torch.Tensor]],
         shapes: Sequence[Sequence[tuple[int, ...]]],
         encode: bool,
+        header: int | None = None,
     ) -> list[torch.Tensor]:
         """For each bucket, its ``parts`` (of ``shapes``) flattened and joined
         into one new 1-d tensor; with ``encode``, in the form that moves it bit
-        for bit (:func:`xcoll._wire.encode_move`)."""
-        joined = [_pack.concat(p) for p in parts]
+        for bit (:func:`xcoll._wire.encode_move`). ``header``: the first
+        bucket's first part is the guard's header, and this its total size."""
+        joined = [_pack.concat(p, header if k == 0 else None) for k, p in enumerate(parts)]
         return [_wire.encode_move(j, self.bitcast) for j in joined] if encode else joined
 
     def unpack(
@@ -110,6 +112,12 @@ class Transport(ABC):
     device: torch.device
     #: How this engine's device packs and cuts buffers.
     kernels: Kernels = TORCH
+    #: Whether collectives are traced and run at :meth:`sync` (results are
+    #: known only then) rather than run eagerly.
+    lazy = False
+    #: Whether :meth:`broadcast` sums its guard header over every replica
+    #: (an all-reduce), rather than delivering ``src``'s.
+    broadcast_sums = True
 
     @property
     def group_key(self) -> Hashable:
@@ -135,8 +143,10 @@ class Transport(ABC):
         """Elementwise ``op`` ("sum", "prod", "max", "min") over all replicas."""
 
     @abstractmethod
-    def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
-        """Replica ``src``'s integer buffer, bit for bit, on every replica."""
+    def broadcast(self, buf: torch.Tensor, src: int, guard: int = 0) -> torch.Tensor:
+        """Replica ``src``'s integer buffer, bit for bit, on every replica;
+        except its first ``guard`` elements: their sum over every replica if
+        :attr:`broadcast_sums`, else ``src``'s too."""
 
     def validate(self, flat: Flat) -> None:
         """Refuses leaves this engine would change in transit (raises TypeError)."""
@@ -185,5 +195,5 @@ class LocalTransport(Transport):
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
         return buf.clone()
 
-    def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+    def broadcast(self, buf: torch.Tensor, src: int, guard: int = 0) -> torch.Tensor:
         return buf.clone()

@@ -189,7 +189,7 @@ class XlaKernels(Kernels):
 
         return _apply("bitcast", ("bitcast", tuple(t.shape), t.dtype, dtype), build, [t])[0]
 
-    def pack(self, parts, shapes, encode):
+    def pack(self, parts, shapes, encode, header=None):
         dtypes = [p[0].dtype for p in parts]
         flat = [t for p in parts for t in p]
 
@@ -317,6 +317,7 @@ _DOWNCASTS = {
 
 class XlaTransport(Transport):
     kernels = XlaKernels()
+    lazy = True
 
     def __init__(self, device: torch.device | None):
         self.device = torch.device(device) if device is not None else torch_xla.device()
@@ -393,22 +394,29 @@ class XlaTransport(Transport):
     def wait(self) -> None:
         _xlac.reset_token(self.device)
 
-    def broadcast(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+    def broadcast(self, buf: torch.Tensor, src: int, guard: int = 0) -> torch.Tensor:
         # Integer sum with zeros from every other replica: exact, and nothing of
-        # theirs (NaN included: the wire is integer) reaches the result. The
-        # mask is uploaded data, so every replica traces the same graph.
+        # theirs (NaN included: the wire is integer) reaches the result, except
+        # the guard header, which every replica adds to. The mask is uploaded
+        # data, so every replica traces the same graph.
         is_src = self.upload(torch.tensor([self.rank() == src]))
 
         def build():
             def keep(mask, wire):
-                n = wire.shape().sizes
-                return mask.reshape([]).broadcast(n).select(wire, wire.zeros_like())
+                n = wire.shape().sizes[0]
+                kept = mask.reshape([]).broadcast([n - guard])
+                rest = wire.slice_in_dim(guard, n, 0)
+                rest = kept.select(rest, rest.zeros_like())
+                if not guard:
+                    return rest
+                return xb.Op.concat_in_dim([wire.slice_in_dim(0, guard, 0), rest], 0)
 
             return xb.create_computation(
                 "xcoll_keep", keep, [xb.tensor_shape(is_src), xb.tensor_shape(buf)]
             )
 
-        kept = _apply("keep", ("keep", buf.dtype, buf.shape[0]), build, [is_src, buf])[0]
+        key = ("keep", buf.dtype, buf.shape[0], guard)
+        kept = _apply("keep", key, build, [is_src, buf])[0]
         return self.all_reduce(kept, "sum")
 
     def sync(self) -> None:

@@ -1,0 +1,245 @@
+"""The guard: a call that differs between replicas on a *later* call, in the
+default mode (no description exchange), raises CollectiveMismatchError on
+every replica, naming the first difference; no replica returns normally.
+
+Each replica first makes a consistent call (its group's first call, which the
+default mode checks in full), so the mismatch below is caught by the guard
+header that travels inside the call's own collective.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import xcoll
+from tests.replicas import device, shared_pool
+
+MISMATCH = "xcoll._check.CollectiveMismatchError"
+
+
+def later_case(name: str, odd: bool, dev):
+    """(function, tree, kwargs) for the odd replica or the others: the same
+    buffer sizes on every replica, so the engine cannot notice."""
+    t = torch.ones(2, 3).to(dev)
+    if name == "shape, same numel":
+        return "gather", {"x": torch.ones(3, 2).to(dev) if odd else t}, {}
+    if name == "dtype, same width":
+        return "reduce", {"x": torch.ones(2, 3, dtype=torch.int32).to(dev) if odd else t}, {}
+    if name == "dict key":
+        return "gather", {("loss" if odd else "acc"): t}, {}
+    if name == "op sum vs max":
+        return "reduce", {"x": t}, {"op": "max" if odd else "sum"}
+    if name == "op sum vs mean":
+        return "reduce", {"x": t}, {"op": "mean" if odd else "sum"}
+    if name == "Python int vs float":
+        return "reduce", {"x": 7 if odd else 7.0}, {}
+    if name == "src":
+        return "broadcast", {"x": t}, {"src": 1 if odd else 0}
+    raise AssertionError(name)
+
+
+# Classes whose replicas trace the same XLA program (the others compile
+# different programs, which XLA aborts on: test_different_programs_are_diagnosed).
+SAME_PROGRAM = ["dict key", "src"]
+EVERY = [
+    "shape, same numel",
+    "dtype, same width",
+    "dict key",
+    "op sum vs max",
+    "op sum vs mean",
+    "Python int vs float",
+    "src",
+]
+
+
+def _later(name):
+    assert xcoll._check.mode() == "guard"  # the default
+    rank, world = xcoll.rank(), xcoll.world_size()
+    dev = device()
+    xcoll.gather({"warm": torch.ones(1).to(dev)})  # a consistent earlier call
+    fn, tree, kwargs = later_case(name, rank == world - 1, dev)
+    out = getattr(xcoll, fn)(tree, **kwargs)
+    return f"returned {out}"
+
+
+def _ok(_):
+    return xcoll.gather(xcoll.rank())
+
+
+def _expect_every_rank_raises(pool, fn, args, text=None):
+    w = pool.world_size
+    failures = pool.run(fn, args, return_exceptions=True)
+    assert all(not isinstance(f, str) for f in failures), failures
+    assert [f.type_name for f in failures] == [MISMATCH] * w, failures
+    if text:
+        for r, f in enumerate(failures):
+            assert text in f.message, (r, f.message)
+    assert pool.run(_ok, [None] * w) == [list(range(w))] * w
+
+
+def _cases(world):
+    names = SAME_PROGRAM if world.startswith("xla") else EVERY
+    # gloo's broadcast is a star from src: with W=2 a differing src leaves each
+    # replica its own tree (docs/reliability.md); at W=4 the receivers raise
+    return [
+        (world, n)
+        for n in names
+        if not (n == "src" and world.startswith("gloo"))
+    ]
+
+
+@pytest.mark.parametrize(
+    "world,name", [c for w in ["gloo-2", "gloo-4", "xla-cpu-2"] for c in _cases(w)]
+)
+def test_a_later_mismatch_raises_on_every_replica(world, name):
+    pool = shared_pool(world)
+    # every replica's error names the first difference and both ranks
+    _expect_every_rank_raises(pool, _later, [name] * pool.world_size, "first difference")
+
+
+def _after_rng(_):
+    rank = xcoll.rank()
+    xcoll.sync_rng_state()  # the first call on the group is not a gather
+    metric = {("acc" if rank == 0 else "loss"): torch.tensor([1.5]).to(device())}
+    return f"returned {xcoll.gather(metric)}"
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_a_metric_dict_keyed_differently_after_sync_rng_state(world):
+    pool = shared_pool(world)
+    _expect_every_rank_raises(pool, _after_rng, [None] * pool.world_size, "tree['acc']")
+
+
+def _objects_later(kind):
+    rank = xcoll.rank()
+    xcoll.gather_object(rank)
+    if kind == "broadcast_object src":
+        return f"returned {xcoll.broadcast_object('x', src=rank)}"
+    raise AssertionError(kind)
+
+
+def test_object_calls_are_guarded():
+    # (a barrier against a gather_object sends a different size: an engine
+    # failure; on gloo a broadcast is a star from src: docs/reliability.md)
+    pool = shared_pool("xla-cpu-2")
+    _expect_every_rank_raises(pool, _objects_later, ["broadcast_object src"] * 2)
+
+
+def _two_threads(_):
+    """Two threads of each process call on the world group at once."""
+    rank = xcoll.rank()
+    outcomes = []
+    start = threading.Barrier(2)
+
+    def one(k):
+        start.wait()
+        try:
+            for _ in range(20):
+                got = xcoll.gather({"k": torch.tensor([100 * k + rank])})["k"].tolist()
+                if got != [100 * k + r for r in range(xcoll.world_size())]:
+                    outcomes.append(("wrong", got))
+                    return
+            outcomes.append(("ok", None))
+        except xcoll.CollectiveMismatchError as e:
+            outcomes.append((type(e).__name__, str(e)[:80]))
+        except RuntimeError as e:  # a partner call the other replica refused
+            outcomes.append(("RuntimeError", str(e)[:80]))
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes
+
+
+def test_concurrent_calls_on_one_group_are_detected():
+    from xcoll.testing import GlooPool
+
+    with GlooPool(2, timeout=120, collective_timeout=5) as pool:
+        results = pool.run(_two_threads, [None, None])
+    kinds = [k for outcomes in results for k, _ in outcomes]
+    assert "wrong" not in kinds, results
+    assert "ConcurrentCallError" in kinds, results
+
+
+def _program_mismatch(_):
+    rank = xcoll.rank()
+    xcoll.reduce({"x": torch.ones(2).to(device())})
+    # different ops: the replicas compile different programs
+    return xcoll.reduce({"x": torch.ones(2).to(device())}, "max" if rank else "sum")
+
+
+def test_different_programs_are_diagnosed_before_xla_aborts():
+    from xcoll.testing import PoolCrashed, XlaPool
+
+    with XlaPool(2, grace=2) as pool:
+        with pytest.raises(PoolCrashed) as e:
+            pool.run(_program_mismatch, [None, None])
+    text = str(e.value)
+    assert "xcoll: xcoll.reduce on rank" in text, text
+    assert "XCOLL_CHECK=always" in text, text
+
+
+_SIZE_MISMATCH = """
+import datetime, torch, torch.distributed as dist, xcoll
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+rank, world = dist.get_rank(), dist.get_world_size()
+xcoll.gather({"x": torch.ones(2)})  # a consistent first call
+n = 3 if rank == world - 1 else 2  # the last rank's buffer is larger
+try:
+    xcoll.gather({"x": torch.ones(n)})
+    print("returned normally", flush=True)
+except Exception as e:
+    print(f"raised {type(e).__name__}: {e}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_size_mismatch_on_gloo_kills_one_replica_and_the_others_raise(tmp_path, world):
+    """gloo aborts the rank that receives more bytes than it expects; every
+    other rank raises an xcoll error naming the call (processes started as
+    torchrun starts them)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(_SIZE_MISMATCH)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(world):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=120) for p in procs]
+    killed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    assert killed == [0], [(p.returncode, o) for p, o in zip(procs, outs, strict=True)]
+    assert "Received data size doesn't match expected size" in outs[0][1]
+    for r in range(1, world):
+        out = outs[r][0]
+        assert "returned normally" not in out, (r, out)
+        assert "raised" in out and "xcoll.gather" in out, (r, out)
+        if world == 2:  # the survivor read rank 0's header: the guard fired
+            assert "CollectiveMismatchError" in out and "tree['x']" in out, out

@@ -1,0 +1,279 @@
+"""The guard: every call's first collective carries a fingerprint of the call,
+and every replica checks what arrived before it returns anything.
+
+The fingerprint is 64 bits of the SHA-256 of the call's signature (function,
+parameters, every leaf's path, dtype, shape and op, the tree structure), the
+same digest the full consistency check compares, so it costs nothing per call
+once the plan is cached. It travels as a header at the front of the call's
+first bucket, in that bucket's dtype, inside the collective the call makes
+anyway: no extra collective, and on XLA no extra execution (the header is
+uploaded once per signature, as data, so that every replica traces the same
+program whatever its fingerprint).
+
+The header's form makes the verdict the same on every replica: each one
+compares the header part of the collective's result, which is the same on
+every replica, with what it would be if every replica's fingerprint were its
+own (bytes against bytes, computed once per signature).
+
+* gather: the 64 bits as 0/1. Every replica receives all W headers; they are
+  W copies of its own only if every fingerprint is its own.
+* all-reduce (reduce, and broadcast on XLA, which is an integer sum with
+  zeros from every replica but ``src``): each bit ``b`` and ``1 - b``. With
+  every replica's ``b`` equal, ``op(b)`` and ``op(1 - b)`` are ``(W b,
+  W (1 - b))`` for a sum and ``(b, 1 - b)`` for max, min and prod; with any
+  bit differing they are ``(k, W - k)`` with ``0 < k < W`` for a sum, ``(1,
+  1)`` for max, ``(0, 0)`` for min and prod: no replica's all-equal pattern,
+  whichever op each replica asked for. Values 0 and 1 are exact in every
+  dtype, and these sums are exact (for 8-bit integer sums, up to W = 255).
+* broadcast on torch.distributed (a star from ``src``, where an all-reduce
+  would cost 15x at W=4 on gloo: docs/reliability.md): the receivers compare
+  ``src``'s header with their own; ``src`` learns nothing, and returns its
+  own tree, which is its result whatever the others did. This is the one
+  one-sided verdict.
+
+The header goes at the front: where an engine delivers part of a larger
+buffer (gloo, when sizes differ), the front is what arrives.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from . import _check, _exchange, _memo, _wire
+from ._backends.base import TORCH, Transport
+
+BITS = 64
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a call's replicas must agree on: its function, parameters and tree."""
+
+    name: str
+    head: str
+    description: _check.Description
+
+    def fingerprint(self) -> bytes:
+        key = (self.name, self.head, self.description.digest)
+        return _fingerprints.get(key, lambda: _exchange.sha256("\n".join(key[:2] + (key[2].hex(),))))
+
+
+_fingerprints: _memo.Memo[bytes] = _memo.Memo()
+
+
+def size(kind: str) -> int:
+    """The header's number of elements for a collective of ``kind``."""
+    return BITS if kind == "gather" else 2 * BITS
+
+
+@dataclass(frozen=True)
+class Header:
+    """One call kind's header for one fingerprint, bucket dtype, op and W."""
+
+    #: What this replica sends, in the bucket's dtype (a part of its bucket).
+    part: torch.Tensor
+    #: The bytes of the collective's result where the header lies, in wire
+    #: form (eager engines: read before the call's other collectives start)
+    #: and as the bucket's dtype (lazy ones: read with the outputs), when every
+    #: replica's fingerprint is this one's.
+    wire: bytes
+    decoded: bytes
+
+
+_headers: _memo.Memo[Header] = _memo.Memo(locked=True)
+
+
+def header(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: int) -> Header:
+    """The :class:`Header` of a collective of ``kind`` ("gather", "broadcast"
+    or "reduce"), combined by ``how`` (the all-reduce's op, "sum" for a
+    broadcast that sums, "" for one that arrives from ``src``), built once.
+    Moves carry the bits as 0/1 in the wire integers (a float bucket holds
+    their bits); a reduce as the values 0 and 1, which every op keeps exact."""
+
+    def build() -> Header:
+        bits = [(byte >> k) & 1 for byte in fingerprint[: BITS // 8] for k in range(8)]
+        values = bits if kind == "gather" else [*bits, *(1 - b for b in bits)]
+        if kind == "reduce":
+            part = torch.tensor(values, dtype=dtype)
+            wire = _wire.encode_reduce(part, how, TORCH.bitcast)
+        else:
+            wire = torch.tensor(values, dtype=_wire.wire_dtype(dtype))
+            part = _wire.decode_move(wire, dtype, TORCH.bitcast)
+        # every replica's the same: what the collective gives
+        if kind == "gather":
+            wire = wire.expand(world, -1)
+        elif how == "sum":
+            wire = wire * world
+        if kind == "reduce":
+            decoded = _wire.decode_reduce(wire, dtype, how, TORCH.bitcast)
+        else:
+            decoded = _wire.decode_move(wire, dtype, TORCH.bitcast)
+        return Header(part, as_bytes(wire), as_bytes(decoded))
+
+    return _headers.get((fingerprint, dtype, kind, how, world), build)
+
+
+def as_bytes(t: torch.Tensor, world: int | None = None, size: int | None = None) -> bytes:
+    """The bytes of host tensor ``t``; with ``size``, of its header only: the
+    first ``size`` elements (of each of ``world`` rows, for a gather)."""
+    a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    if size is not None:
+        a = a.reshape(world, -1)[:, :size] if world else a[:size]
+    return a.tobytes()
+
+
+_uploads: _memo.Memo[torch.Tensor] = _memo.Memo(locked=True)
+
+
+def uploaded(transport: Transport, fingerprint: bytes, h: Header, kind: str) -> torch.Tensor:
+    """``h.part`` on ``transport``'s device, uploaded once: as data, so that
+    replicas with different headers trace the same program."""
+    if h.part.device == transport.device:
+        return h.part
+    key = (fingerprint, h.part.dtype, kind, str(transport.device))
+    return _uploads.get(key, lambda: transport.upload(h.part))
+
+
+def fire(transport: Transport, signature: Signature, src: int | None = None) -> None:
+    """Raises :class:`CollectiveMismatchError` for a call whose header says the
+    replicas' calls differ. Every replica gets the same verdict, so they all
+    exchange their descriptions, and the error names the first difference and
+    both ranks. ``src``: a one-sided verdict (a receiver of ``src``'s
+    broadcast), which exchanges nothing: ``src`` has returned."""
+    s = signature
+    if src is not None:
+        raise _check.CollectiveMismatchError(
+            f"{s.name}: this replica's call (rank {transport.rank()}: {s.head}; "
+            f"{_summary(s.description)}) differs from the call of src, rank {src}; run with "
+            "XCOLL_CHECK=always to name the difference"
+        )
+    try:
+        _check.verify(transport, s.name, s.head, s.description)
+    except RuntimeError as e:
+        if isinstance(e, _check.CollectiveMismatchError):
+            raise
+        # a replica that the engine stopped (gloo aborts a rank whose buffer
+        # is smaller than the one it receives) cannot take part
+        raise _check.CollectiveMismatchError(
+            f"{s.name}: the replicas' calls differ (the guard's fingerprints disagree on "
+            f"rank {transport.rank()}: {s.head}; {_summary(s.description)}); naming the "
+            f"difference failed: {e}"
+        ) from e
+    raise _check.CollectiveMismatchError(
+        f"{s.name}: the guard's fingerprints disagree on rank {transport.rank()}, but the "
+        "replicas' descriptions agree: a call overlapped another on this process group, or "
+        "a header changed in transit"
+    )
+
+
+def _summary(description: _check.Description) -> str:
+    lines = description.lines
+    shown = "; ".join(lines[:3]) + ("; ..." if len(lines) > 3 else "")
+    return f"{max(0, len(lines) - 1)} leaves: {shown}"
+
+
+def diagnosis(transport: Transport, signature: Signature, seconds: float) -> str:
+    """What the watchdog prints when a call's collectives have waited ``seconds``."""
+    s = signature
+    return (
+        f"xcoll: {s.name} on rank {transport.rank()} has waited {seconds:.0f} s for its "
+        "collectives. If the replicas made different calls, the engine may hang or abort "
+        f"the process. This replica's call: {s.head}; {_summary(s.description)}; "
+        f"description {s.description.digest.hex()[:16]}. Run with XCOLL_CHECK=always to "
+        "name the difference."
+    )
+
+
+class ConcurrentCallError(_check.CollectiveMismatchError):
+    """Two threads of one process called xcoll on one process group at once."""
+
+
+class entered:
+    """A public call's entry: :class:`exclusive` on its group, the full check
+    when due (raising the call's local ``error``, shared with every replica),
+    then, as the block's value, the call's :class:`Signature` for its guard
+    (None in mode "never", or where the call's results are ``unread`` before
+    it returns: such a call is checked in full first)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        name: str,
+        head: str,
+        description: _check.Description | None,
+        error: Exception | None = None,
+        *,
+        unread: bool = False,
+    ):
+        self.transport, self.name, self.head = transport, name, head
+        self.description, self.error, self.unread = description, error, unread
+        self.busy = exclusive(transport, name)
+
+    def __enter__(self) -> Signature | None:
+        mode = _check.mode()
+        self.busy.__enter__()
+        try:
+            t, d = self.transport, self.description
+            if _check.due(t, mode) or (self.unread and mode != "never"):
+                _check.verify(t, self.name, self.head, d, self.error)
+            if self.error is not None:
+                raise self.error
+        except BaseException:
+            self.busy.__exit__(None, None, None)
+            raise
+        assert d is not None
+        return None if mode == "never" or self.unread else Signature(self.name, self.head, d)
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.busy.__exit__(kind, value, traceback)
+
+
+# group_key -> [the calling thread's name, whether another call overlapped it]
+_busy: dict = {}
+_busy_lock = threading.Lock()
+
+
+class exclusive:
+    """Marks ``transport``'s group busy for one public call of this thread. A
+    call that starts while another thread's is in flight on the same group
+    raises :class:`ConcurrentCallError` at once, without communicating, and so
+    does the call it overlapped, when it ends (collectives are paired by order
+    on each process, and two threads' order is not defined). A world of one
+    has nothing to pair."""
+
+    def __init__(self, transport: Transport, name: str):
+        self.transport, self.name = transport, name
+        self.entry: list | None = None
+
+    def __enter__(self) -> None:
+        t = self.transport
+        if t.world_size() == 1:
+            return
+        key, me = t.group_key, threading.current_thread().name
+        with _busy_lock:
+            entry = _busy.get(key)
+            if entry is not None:
+                entry[1] = True
+                raise ConcurrentCallError(
+                    f"{self.name}: called on rank {t.rank()} from thread {me!r} while thread "
+                    f"{entry[0]!r} has a call in flight on the same process group; calls on "
+                    "one group must come from one thread at a time, in the same order on "
+                    "every replica"
+                )
+            self.entry = _busy[key] = [me, False]
+
+    def __exit__(self, kind, value, traceback) -> None:
+        entry, self.entry = self.entry, None
+        if entry is None:
+            return
+        with _busy_lock:
+            del _busy[self.transport.group_key]
+        if entry[1] and kind is None:
+            raise ConcurrentCallError(
+                f"{self.name}: another thread called xcoll on the same process group while "
+                f"this call (rank {self.transport.rank()}, thread {entry[0]!r}) was in flight; "
+                "its result may be paired with that call's on other replicas"
+            )
