@@ -13,6 +13,7 @@ from ._check import CollectiveMismatchError, consistency_checks
 from ._codec import decode as decode_object
 from ._codec import encode as encode_object
 from ._collectives import broadcast, gather, rank, reduce, sync, world_size
+from ._guard import ConcurrentCallError
 from ._objects import barrier, broadcast_object, gather_object
 from ._rng import rng_state, set_rng_state, sync_rng_state
 from ._samples import by_index
@@ -34,6 +35,7 @@ __all__ = [
     "set_rng_state",
     "sync_rng_state",
     "CollectiveMismatchError",
+    "ConcurrentCallError",
     "consistency_checks",
 ]
 __version__ = "0.1.0"

@@ -480,8 +480,18 @@ def execute(
     Outputs never require grad (collectives are not differentiated) and never
     alias the inputs. Python scalar leaves come back as Python values.
     """
-    with torch.no_grad():
-        out = _leaves_out(op, flat, transport, plan, sync, to_cpu, signature)
+    try:
+        with torch.no_grad():
+            out = _leaves_out(op, flat, transport, plan, sync, to_cpu, signature)
+    except _check.CollectiveMismatchError as e:
+        received = getattr(e, "received", None)
+        if received is not None:  # a receiver's one-sided verdict: what src sent
+            e.received = _tree_out(op, flat, received)  # type: ignore[attr-defined]
+        raise
+    return _tree_out(op, flat, out)
+
+
+def _tree_out(op: Packed, flat: _tree.Flat, out: list[Any]) -> Any:
     for i in flat.scalars:
         out[i] = op.scalar(out[i], flat.leaves[i])
     return flat.unflatten(out)
@@ -521,13 +531,19 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
         parts[0] = [_guard.uploaded(transport, fp, mine, op.kind), *parts[0]]
     wires = op.pack(transport.kernels, plan, lay, live, parts)
     del parts
+    # (read here: on XLA the rank is per thread, and the watchdog has its own)
+    rank, name = transport.rank(), op.name if signature is None else signature.name
+    # A one-sided verdict (a broadcast from src) is read after every
+    # collective of the call: src cannot learn it, so the receivers take part
+    # in all of them, as src does, and raise last.
+    one_sided = guard and op.kind == "broadcast" and not how
 
     def wait() -> None:
         try:
             transport.wait()  # eager engines started every collective asynchronously
         except RuntimeError as e:  # e.g. gloo's timeout when a replica never arrives
             raise RuntimeError(
-                f"{op.name}: a collective did not complete on rank {transport.rank()}: {e} "
+                f"{name}: a collective did not complete on rank {rank}: {e} "
                 "(a replica that never arrived, or that the engine stopped: gloo kills a rank "
                 "that receives a larger buffer than its own, as when replicas' calls differ; "
                 "XCOLL_CHECK=always names such a difference)"
@@ -536,21 +552,29 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
     def check(got: bytes, expected: bytes) -> None:
         # The same result on every replica, so the same verdict (_guard)
         if got != expected:
-            _guard.fire(transport, signature, None if how or op.kind != "broadcast" else op.src)
+            _guard.fire(transport, signature)
+
+    def arrived(result: torch.Tensor) -> bytes:
+        """The header of bucket 0's result (eager engines), downloaded alone."""
+        first = result.view(w, -1).narrow(1, 0, guard) if op.gathers else result[:guard]
+        return _guard.as_bytes(transport.to_host([first])[0])
 
     watch = (
-        _watchdog.watch(lambda seconds: _guard.diagnosis(transport, signature, seconds))
+        _watchdog.watch(lambda seconds: _guard.diagnosis(rank, signature, seconds))
         if guard and w > 1
         else contextlib.nullcontext()
     )
+    late = None
     with watch:
         results = [op.send(transport, wires[0], buckets[0], guard)]
-        if guard and not transport.lazy:  # checked before the call's other collectives start
-            wait()
-            check(_guard.as_bytes(results[0], w if op.gathers else None, guard), mine.wire)
+        if guard and not transport.lazy and not one_sided:
+            wait()  # checked before the call's other collectives start
+            check(arrived(results[0]), mine.wire)
         results += [op.send(transport, x, b, 0) for x, b in zip(wires[1:], buckets[1:], strict=True)]
         del wires
         wait()
+        if one_sided:
+            late = arrived(results[0])
         flats = op.unpack(transport.kernels, plan, lay, live, results, w, wire=to_cpu)
         del results
         if to_cpu:
@@ -588,4 +612,6 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
     for b, block in zip(scalar_buckets, blocks, strict=True):
         for j, s in enumerate(b.scalars):
             out[s.leaf] = block[..., j]
+    if late is not None and late != mine.wire:
+        _guard.fire(transport, signature, op.src, received=out)
     return out

@@ -24,7 +24,8 @@ own (bytes against bytes, computed once per signature).
   bit differing they are ``(k, W - k)`` with ``0 < k < W`` for a sum, ``(1,
   1)`` for max, ``(0, 0)`` for min and prod: no replica's all-equal pattern,
   whichever op each replica asked for. Values 0 and 1 are exact in every
-  dtype, and these sums are exact (for 8-bit integer sums, up to W = 255).
+  dtype, and these sums are exact up to W = 255 (8-bit integers wrap at 256:
+  above that, every call is also checked in full, :data:`EXACT_SUMS`).
 * broadcast on torch.distributed (a star from ``src``, where an all-reduce
   would cost 15x at W=4 on gloo: docs/reliability.md): the receivers compare
   ``src``'s header with their own; ``src`` learns nothing, and returns its
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +48,9 @@ from . import _check, _exchange, _memo, _wire
 from ._backends.base import TORCH, Transport
 
 BITS = 64
+#: The most replicas whose header sums are exact in every dtype (8-bit integers
+#: wrap at 256); above it every call is checked in full as well.
+EXACT_SUMS = 255
 
 
 @dataclass(frozen=True)
@@ -137,19 +142,33 @@ def uploaded(transport: Transport, fingerprint: bytes, h: Header, kind: str) -> 
     return _uploads.get(key, lambda: transport.upload(h.part))
 
 
-def fire(transport: Transport, signature: Signature, src: int | None = None) -> None:
+def fire(
+    transport: Transport,
+    signature: Signature | None,
+    src: int | None = None,
+    received: Any = None,
+) -> None:
     """Raises :class:`CollectiveMismatchError` for a call whose header says the
     replicas' calls differ. Every replica gets the same verdict, so they all
     exchange their descriptions, and the error names the first difference and
     both ranks. ``src``: a one-sided verdict (a receiver of ``src``'s
-    broadcast), which exchanges nothing: ``src`` has returned."""
+    broadcast), which exchanges nothing (``src`` has returned); the error
+    keeps what arrived as ``received``, for a caller whose protocol goes on."""
     s = signature
-    if src is not None:
+    rank = transport.rank()
+    if s is None:  # this replica runs in mode "never", others do not
         raise _check.CollectiveMismatchError(
-            f"{s.name}: this replica's call (rank {transport.rank()}: {s.head}; "
-            f"{_summary(s.description)}) differs from the call of src, rank {src}; run with "
-            "XCOLL_CHECK=always to name the difference"
+            f"rank {rank}: the replicas' calls differ, or their XCOLL_CHECK modes do (this "
+            "replica's is \"never\"; every replica must use the same mode)"
         )
+    if src is not None:
+        error = _check.CollectiveMismatchError(
+            f"{s.name}: this replica's call (rank {rank}: {s.head}; {_summary(s.description)}) "
+            f"differs from the call of src, rank {src}; run with XCOLL_CHECK=always to name "
+            "the difference"
+        )
+        error.received = received  # type: ignore[attr-defined]
+        raise error
     try:
         _check.verify(transport, s.name, s.head, s.description)
     except RuntimeError as e:
@@ -159,27 +178,30 @@ def fire(transport: Transport, signature: Signature, src: int | None = None) -> 
         # is smaller than the one it receives) cannot take part
         raise _check.CollectiveMismatchError(
             f"{s.name}: the replicas' calls differ (the guard's fingerprints disagree on "
-            f"rank {transport.rank()}: {s.head}; {_summary(s.description)}); naming the "
-            f"difference failed: {e}"
+            f"rank {rank}: {s.head}; {_summary(s.description)}); naming the difference "
+            f"failed: {e}"
         ) from e
     raise _check.CollectiveMismatchError(
-        f"{s.name}: the guard's fingerprints disagree on rank {transport.rank()}, but the "
-        "replicas' descriptions agree: a call overlapped another on this process group, or "
-        "a header changed in transit"
+        f"{s.name}: the guard's fingerprints disagree on rank {rank}, but the replicas' "
+        "descriptions agree: their XCOLL_CHECK modes differ, a call overlapped another on "
+        "this process group, or a header changed in transit"
     )
 
 
 def _summary(description: _check.Description) -> str:
     lines = description.lines
+    if not lines:
+        return "no tree"
     shown = "; ".join(lines[:3]) + ("; ..." if len(lines) > 3 else "")
-    return f"{max(0, len(lines) - 1)} leaves: {shown}"
+    return f"{len(lines) - 1} leaves: {shown}"
 
 
-def diagnosis(transport: Transport, signature: Signature, seconds: float) -> str:
-    """What the watchdog prints when a call's collectives have waited ``seconds``."""
+def diagnosis(rank: int, signature: Signature, seconds: float) -> str:
+    """What the watchdog prints when a call's collectives have waited ``seconds``
+    (``rank``: read on the replica's thread; on XLA the rank is per thread)."""
     s = signature
     return (
-        f"xcoll: {s.name} on rank {transport.rank()} has waited {seconds:.0f} s for its "
+        f"xcoll: {s.name} on rank {rank} has waited {seconds:.0f} s for its "
         "collectives. If the replicas made different calls, the engine may hang or abort "
         f"the process. This replica's call: {s.head}; {_summary(s.description)}; "
         f"description {s.description.digest.hex()[:16]}. Run with XCOLL_CHECK=always to "
@@ -217,7 +239,10 @@ class entered:
         self.busy.__enter__()
         try:
             t, d = self.transport, self.description
-            if _check.due(t, mode) or (self.unread and mode != "never"):
+            # (beyond EXACT_SUMS replicas a guard header summed in 8-bit
+            # integers could wrap: every call is then checked in full too)
+            full = self.unread or t.world_size() > EXACT_SUMS
+            if _check.due(t, mode) or (full and mode != "never"):
                 _check.verify(t, self.name, self.head, d, self.error)
             if self.error is not None:
                 raise self.error
@@ -231,7 +256,7 @@ class entered:
         self.busy.__exit__(kind, value, traceback)
 
 
-# group_key -> [the calling thread's name, whether another call overlapped it]
+# group_key -> [the calling thread's ident, whether another call overlapped it]
 _busy: dict = {}
 _busy_lock = threading.Lock()
 
@@ -252,16 +277,18 @@ class exclusive:
         t = self.transport
         if t.world_size() == 1:
             return
-        key, me = t.group_key, threading.current_thread().name
+        key, me = t.group_key, threading.get_ident()
         with _busy_lock:
             entry = _busy.get(key)
+            if entry is not None and entry[0] == me:  # a call within this thread's own call
+                return
             if entry is not None:
                 entry[1] = True
                 raise ConcurrentCallError(
-                    f"{self.name}: called on rank {t.rank()} from thread {me!r} while thread "
-                    f"{entry[0]!r} has a call in flight on the same process group; calls on "
-                    "one group must come from one thread at a time, in the same order on "
-                    "every replica"
+                    f"{self.name}: called on rank {t.rank()} from thread "
+                    f"{threading.current_thread().name!r} while another thread has a call in "
+                    "flight on the same process group; calls on one group must come from one "
+                    "thread at a time, in the same order on every replica"
                 )
             self.entry = _busy[key] = [me, False]
 
@@ -274,6 +301,7 @@ class exclusive:
         if entry[1] and kind is None:
             raise ConcurrentCallError(
                 f"{self.name}: another thread called xcoll on the same process group while "
-                f"this call (rank {self.transport.rank()}, thread {entry[0]!r}) was in flight; "
-                "its result may be paired with that call's on other replicas"
+                f"this call (rank {self.transport.rank()}, thread "
+                f"{threading.current_thread().name!r}) was in flight; its result may be paired "
+                "with that call's on other replicas"
             )

@@ -71,11 +71,21 @@ def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
         mine = transport.rank() == src
         data, error = _encode_or_error(obj) if mine else (b"", None)
         size = -1 if data is None else len(data)
-        size = _call.run(_call.Broadcast(src), size, transport, signature=signature)
+        mismatch = None
+        try:
+            size = _call.run(_call.Broadcast(src), size, transport, signature=signature)
+        except _check.CollectiveMismatchError as e:
+            if getattr(e, "received", None) is None:
+                raise
+            # a receiver's one-sided verdict (gloo): src goes on to send its
+            # data, so this replica receives it before raising
+            size, mismatch = e.received, e
         if size < 0:
             _raise_for([src], error, "broadcast_object")
         buf = transport.upload(_exchange.bytes_tensor(data or b"", _pack.size_bucket(size)))
         out = _call.run(_call.Broadcast(src), buf, transport)
+        if mismatch is not None:
+            raise mismatch
         return _codec.decode(transport.to_host([out])[0][:size].numpy().tobytes())
 
 
