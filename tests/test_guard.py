@@ -270,3 +270,23 @@ def test_a_different_src_on_gloo_times_out_with_the_diagnosis():
         assert f.type_name == "builtins.RuntimeError", f
         assert "xcoll.broadcast: a collective did not complete" in f.message, f
     assert "xcoll: xcoll.broadcast on rank" in logs, logs
+
+
+def _broadcast_keys(_):
+    rank = xcoll.rank()
+    dev = device()
+    xcoll.gather({"warm": torch.ones(1).to(dev)})
+    tree = {("a" if rank == 0 else "b"): torch.ones(4).to(dev), "z": torch.arange(5).to(dev)}
+    return f"returned {sorted(xcoll.broadcast(tree, src=0))}"  # two buckets
+
+
+def test_a_broadcast_receiver_raises_and_src_is_not_left_waiting():
+    # gloo's broadcast is a star from src: src learns nothing and returns its
+    # own tree; the receiver takes part in both buckets, then raises
+    pool = shared_pool("gloo-2")
+    out = pool.run(_broadcast_keys, [None, None], return_exceptions=True)
+    assert out[0] == "returned ['a', 'z']", out
+    assert out[1].type_name == MISMATCH and "src, rank 0" in out[1].message, out
+    assert pool.run(_ok, [None, None]) == [[0, 1]] * 2
+    # XLA sums the header over every replica: every replica raises
+    _expect_every_rank_raises(shared_pool("xla-cpu-2"), _broadcast_keys, [None, None])
