@@ -578,8 +578,8 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
         flats = op.unpack(transport.kernels, plan, lay, live, results, w, wire=to_cpu)
         del results
         if to_cpu:
-            transport.sync()
-            pieces = TORCH.split(op.decode_on_host(plan, live, transport.to_host(flats)), shapes)
+            hosts = transport.sync_and_fetch(flats)
+            pieces = TORCH.split(op.decode_on_host(plan, live, hosts), shapes)
         else:
             # Outputs are traced before the sync so that it materialises them; only
             # they, the scalar blocks and the header stay referenced, so they alone
@@ -602,12 +602,15 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
             _place(op, plan, b, bucket_pieces, out, w)
         del pieces, bucket_pieces
         if not to_cpu:
-            if sync:
+            fetch = blocks + ([header] if header is not None else [])
+            if sync and fetch:
+                blocks = transport.sync_and_fetch(fetch)
+            elif sync:
                 transport.sync()
-            if blocks or header is not None:
-                blocks = transport.to_host(blocks + ([header] if header is not None else []))
-                if header is not None:
-                    check(_guard.as_bytes(blocks.pop()), mine.decoded)
+            elif fetch:
+                blocks = transport.to_host(fetch)
+            if header is not None:
+                check(_guard.as_bytes(blocks.pop()), mine.decoded)
     scalar_buckets = [b for b in buckets if b.scalars]
     for b, block in zip(scalar_buckets, blocks, strict=True):
         for j, s in enumerate(b.scalars):

@@ -167,6 +167,12 @@ class Transport(ABC):
         """CPU copies of ``tensors``, fetched together."""
         return [t.cpu() for t in tensors]
 
+    def sync_and_fetch(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`sync`, then :meth:`to_host` of ``tensors`` (outputs of what
+        ran: the fetch is what waits for it to finish)."""
+        self.sync()
+        return self.to_host(tensors)
+
     def exchange(self, buf: torch.Tensor) -> torch.Tensor:
         """Every replica's 1-d ``buf`` as a ``(W, n)`` CPU tensor, run on its own:
         on lazy engines nothing else pending joins it (the caller's pending
