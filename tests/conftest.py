@@ -11,10 +11,23 @@ from hypothesis import settings
 from tests.replicas import close_pools, shared_pool
 
 # In CI the examples are derived from the test names, so a run is reproducible;
-# elsewhere Hypothesis explores new examples each run.
+# elsewhere (and in CI's exploration step, XCOLL_EXPLORE=1) Hypothesis draws new
+# examples each run, from the seed it prints (replay: --hypothesis-seed=N). A
+# failure always prints its example and a @reproduce_failure blob.
 settings.register_profile("ci", derandomize=True, print_blob=True)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+settings.register_profile("explore", print_blob=True)
+_PROFILE = "ci" if os.environ.get("CI") and not os.environ.get("XCOLL_EXPLORE") else "explore"
+settings.load_profile(_PROFILE)
+
+
+def pytest_report_header(config):
+    seed = config.getoption("hypothesis_seed", None)
+    drawn = (
+        "derived from the test names (CI)"
+        if _PROFILE == "ci"
+        else f"random, seed {seed}" if seed is not None else "random (replay a run: --hypothesis-seed=N)"
+    )
+    return f"xcoll: property examples {drawn}, {os.environ.get('XCOLL_EXAMPLES', '20')} per test"
 
 # Every property test runs on each of these worlds.
 WORLDS = [
