@@ -21,7 +21,7 @@ ROOT = pathlib.Path(xcoll.__file__).parent
 LAYERS = [
     ["xcoll._memo", "xcoll._pack", "xcoll._wire", "xcoll._codec", "xcoll._watchdog"],
     ["xcoll._tree"],
-    ["xcoll._backends.base", "xcoll._backends._xlac"],
+    ["xcoll._backends.base", "xcoll._backends._xlac", "xcoll._backends._launch"],
     ["xcoll._backends.xla", "xcoll._backends.dist"],
     ["xcoll._backends"],
     ["xcoll._exchange"],

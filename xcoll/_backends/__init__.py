@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._tree import Flat
+from ._launch import launch_hint
 from .base import LocalTransport, Transport
 
 __all__ = ["Transport", "current", "resolve", "xla_runtime_running"]
@@ -93,6 +94,7 @@ def resolve(flat: Flat, group: Any = None) -> Transport:
         raise TypeError(
             f"{flat.path(first)} is on {flat.devices[0]}, but this process runs XLA replicas; "
             "move the leaves to the replica's XLA device (torch_xla.device())"
+            + launch_hint()
         )
     else:
         transport = LocalTransport(flat.devices[0])

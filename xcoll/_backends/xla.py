@@ -36,6 +36,7 @@ import torch_xla.runtime as xr
 
 from .. import _memo, _pack, _tree, _wire
 from . import _xlac
+from ._launch import launch_hint
 from .base import Kernels, Transport
 
 SYNC_LOCK = threading.Lock()
@@ -315,12 +316,55 @@ _DOWNCASTS = {
 }
 
 
+_pool_ok = False
+
+
+def _check_thread_pool(device: torch.device) -> None:
+    """Raises, naming the fix, where a launch would fail in XLA: several
+    devices in a process that was not started as their replicas, or more
+    XLA:CPU replica threads than torch_xla's thread pool has threads (only
+    that many reach a collective, and XLA aborts the process after 10 s: "only
+    2 of them arrived", measured with ``torch_xla.launch`` at W=4 on 2 cores).
+    Checked once per process."""
+    global _pool_ok
+    if _pool_ok:
+        return
+    hint = launch_hint()
+    if hint and xr.world_size() == 1:  # results would be W times too small
+        raise RuntimeError("xcoll: XLA runs this process as a world of one" + hint)
+    replicas = xr.addressable_runtime_device_count()
+    cpu = replicas > 1 and xm.xla_device_hw(device) == "CPU"  # (measured there only)
+    if cpu and xr.world_size() == 1:
+        # XLA compiles collectives for every device it sees, with one replica
+        # running them: its verifier then fails ("subgroup_size == 1 ||
+        # shard_count == subgroup_size")
+        raise RuntimeError(
+            f"this process sees {replicas} XLA devices but runs as a world of one: start "
+            "the function with torch_xla.launch(fn) (or xmp.spawn), which runs one replica "
+            "per device, or make one device visible (CPU: CPU_NUM_DEVICES=1) "
+            "(docs/launchers.md)"
+        )
+    if cpu:
+        setting = os.environ.get("XLA_THREAD_POOL_SIZE", "")
+        pool = int(setting) if setting.strip().isdigit() else (os.cpu_count() or 1)
+        if pool < replicas:
+            raise RuntimeError(
+                f"this process runs {replicas} XLA:CPU replicas as threads, but torch_xla's "
+                f"thread pool has {pool} (XLA_THREAD_POOL_SIZE, default: the number of cores), "
+                f"so only {pool} can reach a collective and XLA would abort the process; set "
+                f"XLA_THREAD_POOL_SIZE={max(16, 2 * replicas)} in the environment that starts "
+                "the program (docs/launchers.md)"
+            )
+    _pool_ok = True
+
+
 class XlaTransport(Transport):
     kernels = XlaKernels()
     lazy = True
 
     def __init__(self, device: torch.device | None):
         self.device = torch.device(device) if device is not None else torch_xla.device()
+        _check_thread_pool(self.device)
 
     def validate(self, flat) -> None:
         narrowed = {}
