@@ -42,3 +42,19 @@ def _second_call_from_a_new_thread(r):
 def test_a_new_thread_does_not_make_a_first_call_again():
     with GlooPool(2, timeout=120, collective_timeout=30) as pool:
         assert pool.run(_second_call_from_a_new_thread, [0, 1]) == [([3], [0, 1])] * 2
+
+
+def _called_keys(_):
+    import torch.distributed as dist
+
+    from xcoll import _check
+
+    xcoll.gather(torch.tensor([1]))
+    return [k for k in _check._called if any(isinstance(x, dist.ProcessGroup) for x in k)]
+
+
+def test_the_first_call_state_holds_no_process_group():
+    # holding the group object kept it alive past destroy_process_group, and
+    # its destructor at interpreter exit aborted gloo processes
+    with GlooPool(2, timeout=120, collective_timeout=30) as pool:
+        assert pool.run(_called_keys, [None, None]) == [[], []]

@@ -107,3 +107,29 @@ def test_xla_runtime_in_a_torchrun_job_names_the_likely_cause(tmp_path, launcher
     assert len(lines) == 2, result.stdout
     for line in lines:
         assert "of 2 (torchrun's environment)" in line and "USE_TORCH_XLA=0" in line, line
+
+
+_CAUGHT = """
+import torch, torch.distributed as dist, xcoll
+dist.init_process_group("gloo")
+r = dist.get_rank()
+xcoll.gather({"w": torch.ones(1)})
+try:
+    xcoll.gather({("a" if r == 0 else "b"): torch.ones(2)})
+except xcoll.CollectiveMismatchError:
+    print("caught", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_processes_exit_cleanly_after_a_caught_mismatch(tmp_path):
+    # xcoll once kept the process group alive past destroy_process_group, and
+    # its destructor at interpreter exit aborted 5 runs in 12
+    script = tmp_path / "script.py"
+    script.write_text(_CAUGHT)
+    for _ in range(3):
+        result = run(
+            script, {}, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.count("caught") == 2, result.stdout
