@@ -444,8 +444,16 @@ def call(op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = Fal
     head = op.head(sync, to_cpu)
     description = None if plan is None else plan.description
     unread = transport.lazy and not sync
-    with _guard.entered(transport, op.name, head, description, error, unread=unread) as signature:
-        return op.apply(flat, transport, plan, sync, to_cpu, signature)
+    try:
+        with _guard.entered(transport, op.name, head, description, error, unread=unread) as sig:
+            return op.apply(flat, transport, plan, sync, to_cpu, sig)
+    finally:
+        # An error raised here has this frame in its traceback: cleared, the
+        # frame no longer holds the error (a cycle that only a later garbage
+        # collection would free), so the tree's tensors go with the exception.
+        # An XLA tensor kept alive on one replica joins its next graph, and the
+        # replicas' programs differ (seen: XLA's abort after a caught error).
+        error = flat = tree = plan = None  # noqa: F841
 
 
 def run(

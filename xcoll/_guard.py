@@ -236,6 +236,7 @@ class entered:
 
     def __enter__(self) -> Signature | None:
         mode = _check.mode()
+        error, self.error = self.error, None  # (see the finally below)
         self.busy.__enter__()
         try:
             t, d = self.transport, self.description
@@ -243,12 +244,16 @@ class entered:
             # integers could wrap: every call is then checked in full too)
             full = self.unread or t.world_size() > EXACT_SUMS
             if _check.due(t, mode) or (full and mode != "never"):
-                _check.verify(t, self.name, self.head, d, self.error)
-            if self.error is not None:
-                raise self.error
+                _check.verify(t, self.name, self.head, d, error)
+            if error is not None:
+                raise error
         except BaseException:
             self.busy.__exit__(None, None, None)
             raise
+        finally:
+            # the error's traceback holds this frame: without this, the frame
+            # would hold the error (a cycle), and with it the call's tensors
+            error = None  # noqa: F841
         assert d is not None
         return None if mode == "never" or self.unread else Signature(self.name, self.head, d)
 
