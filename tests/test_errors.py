@@ -158,3 +158,23 @@ def test_tree_with_an_unhashable_treespec(pool):
         from collections import defaultdict
 
         xcoll.gather(defaultdict(_Factory(), {"n": 2**63}))
+
+
+def _bad_then_caught(_):
+    dev = device()
+    try:
+        xcoll.reduce({"x": torch.ones(2, device=dev), "y": [None, "nope"]})
+    except TypeError:
+        return "raised"
+    return "returned"
+
+
+def test_a_failed_calls_tensors_do_not_join_the_next_graph():
+    # The failed call's frame once held its error (a cycle), keeping the
+    # pending torch.ones alive on some replicas until a garbage collection: it
+    # joined their next graph, the programs differed and XLA aborted (within
+    # 40 rounds at W=4)
+    pool = shared_pool("xla-cpu-4")
+    for _ in range(40):
+        assert pool.run(_bad_then_caught, [None] * 4) == ["raised"] * 4
+        assert pool.run(_ok) == list(range(4))
