@@ -594,10 +594,10 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
             # become graph outputs.
             pieces = transport.kernels.split(flats, shapes)
         del flats
-        # the header's piece of bucket 0: read here on lazy engines
-        header = pieces[0].pop(0) if guard and transport.lazy else None
-        if guard and not transport.lazy:
-            del pieces[0][0]
+        # the header's piece of bucket 0 (eager engines checked its wire form)
+        header = pieces[0].pop(0) if guard else None
+        if not transport.lazy:
+            header = None
         if header is not None and to_cpu:
             check(_guard.as_bytes(header), mine.decoded)
             header = None

@@ -121,13 +121,9 @@ def header(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: i
     return _headers.get((fingerprint, dtype, kind, how, world), build)
 
 
-def as_bytes(t: torch.Tensor, world: int | None = None, size: int | None = None) -> bytes:
-    """The bytes of host tensor ``t``; with ``size``, of its header only: the
-    first ``size`` elements (of each of ``world`` rows, for a gather)."""
-    a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-    if size is not None:
-        a = a.reshape(world, -1)[:, :size] if world else a[:size]
-    return a.tobytes()
+def as_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of host tensor ``t``."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).contiguous().numpy().tobytes()
 
 
 _uploads: _memo.Memo[torch.Tensor] = _memo.Memo(locked=True)
