@@ -7,7 +7,10 @@ and the Hypothesis settings of the property tests.
 from __future__ import annotations
 
 import os
+import pathlib
 import struct
+import subprocess
+import sys
 
 import optree
 import torch
@@ -87,3 +90,22 @@ def assert_trees(actual, expected, equal, what=""):
     paths = optree.tree_paths(expected, none_is_leaf=False)
     for path, a, e in zip(paths, leaves(actual), leaves(expected), strict=True):
         assert equal(a, e), (what, path, a, e)
+
+
+# ---- launched scripts ----------------------------------------------------------
+
+#: 4 XLA:CPU replicas under ``torch_xla.launch``, as docs/launchers.md says to start them.
+XLA_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+
+
+def run(script: pathlib.Path, env: dict[str, str], *launcher: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "CPU_"))}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CI"):
+        clean.pop(k, None)
+    return subprocess.run(
+        [sys.executable, *launcher, str(script)],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

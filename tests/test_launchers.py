@@ -4,12 +4,11 @@ processes; and what a user sees when a launch is set up wrong."""
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from tests.helpers import XLA_CPU, run
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "launchers.md"
 
@@ -19,20 +18,6 @@ def snippet(name: str) -> str:
     return text.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def run(script: pathlib.Path, env: dict[str, str], *launcher: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "CPU_"))}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CI"):
-        clean.pop(k, None)
-    return subprocess.run(
-        [sys.executable, *launcher, str(script)],
-        env={**clean, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-XLA_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 
 
 def test_torch_xla_launch_on_cpu_runs_the_docs_snippet(tmp_path):
