@@ -1,6 +1,6 @@
-"""The README's first screen runs as a user runs it: a script whose
-``main(index)`` holds the snippets, started by ``torch_xla.launch`` on 4 XLA:CPU
-replicas; every replica's results are checked on the host."""
+"""The README's first screen and docs/metrics.md run as a user runs them: a
+script whose ``main(index)`` holds the snippets, started by ``torch_xla.launch``
+on 4 XLA:CPU replicas; every replica's results are checked on the host."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
 
 from tests.helpers import XLA_CPU, run
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+README, METRICS = ROOT / "README.md", ROOT / "docs" / "metrics.md"
 FENCE = re.compile(r"^[ \t]*```(?:python|py)[ \t]*\n(.*?)^[ \t]*```", re.M | re.S)
 W = 4
 
@@ -90,3 +92,63 @@ def test_readme_first_screen_runs_under_torch_xla_launch(tmp_path):
         assert torch.allclose(o["sums"]["loss"], kept_loss) and torch.equal(o["sums"]["seen"], keep.sum()), r
     same_on_every_replica(outs, "stats")
     same_on_every_replica(outs, "sums")
+
+
+# What docs/metrics.md says its snippets are given, built alike on every replica.
+_METRICS_CONTEXT = """
+import torch, torch_xla, xcoll
+import torch.nn.functional as F
+
+dev, W, r = torch_xla.device(), xcoll.world_size(), xcoll.rank()
+with LOCK:
+    torch.tensor([0]).to(dev).item()
+g = torch.Generator().manual_seed(0)  # (torch's global one is shared by the replica threads)
+dataset = torch.utils.data.TensorDataset(
+    torch.randn(10, 5, generator=g), torch.randint(0, 5, (10,), generator=g), torch.arange(10)
+)
+pred, label = dataset.tensors[0][r::W].argmax(-1).to(dev), dataset.tensors[1][r::W].to(dev)
+sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=W, rank=r, shuffle=False)
+batches = []
+for p, (logits, y, idx) in enumerate(torch.utils.data.DataLoader(dataset, 2, sampler=sampler)):
+    keep = r + W * (2 * p + torch.arange(len(idx))) < len(dataset)  # the sampler's repeats
+    batches.append((logits.to(dev), y.to(dev), idx.to(dev), keep.to(dev)))
+"""
+
+
+def test_metrics_md_runs_under_torch_xla_launch(tmp_path):
+    uneven, ordered, sums, torchmetrics = blocks(METRICS)
+    script = tmp_path / "metrics.py"
+    script.write_text(
+        launched(
+            _METRICS_CONTEXT,
+            uneven,
+            "uneven = out  # (the next snippet reuses the name)\n",
+            ordered,
+            sums,
+            torchmetrics,
+            save(tmp_path, "batches", "uneven", "ordered", "totals", "values"),
+        )
+    )
+    _, outs = launch(script)
+
+    g = torch.Generator().manual_seed(0)  # the context's dataset
+    logits, y = torch.randn(10, 5, generator=g), torch.randint(0, 5, (10,), generator=g)
+    # one process over every replica's batches, repeats included, as the replicas saw them
+    acc, loss = MulticlassAccuracy(5), MeanMetric()
+    for o in outs:
+        for b_logits, b_y, _, _ in o["batches"]:
+            acc.update(b_logits, b_y)
+            loss.update(F.cross_entropy(b_logits, b_y, reduction="none"))
+    seen = torch.cat([idx[keep] for o in outs for _, _, idx, keep in o["batches"]])
+    assert torch.equal(seen.sort().values, torch.arange(10))  # keep marks the repeats
+    for r, o in enumerate(outs):
+        assert torch.equal(o["uneven"]["pred"], torch.cat([logits[q::W].argmax(-1) for q in range(W)]))
+        assert torch.equal(o["uneven"]["label"], torch.cat([y[q::W] for q in range(W)]))
+        assert torch.equal(o["ordered"]["pred"], logits.argmax(-1)), r
+        assert torch.allclose(o["totals"]["loss_sum"], F.cross_entropy(logits, y, reduction="sum"))
+        assert o["totals"]["correct"] == (logits.argmax(-1) == y).sum(), r
+        assert o["totals"]["count"] == 10, r
+        assert torch.equal(o["values"]["acc"], acc.compute()), r
+        assert torch.allclose(o["values"]["loss"], loss.compute()), r
+    for key in ("uneven", "totals", "values"):
+        same_on_every_replica(outs, key)
