@@ -1,10 +1,12 @@
 """The README's first screen and docs/metrics.md run as a user runs them: a
 script whose ``main(index)`` holds the snippets, started by ``torch_xla.launch``
-on 4 XLA:CPU replicas; every replica's results are checked on the host."""
+on 4 XLA:CPU replicas; every replica's results are checked on the host. The
+reproducer in docs/design.md runs as the plain script it is."""
 
 from __future__ import annotations
 
 import re
+import signal
 import textwrap
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from tests.helpers import XLA_CPU, run
 
 ROOT = Path(__file__).resolve().parents[1]
-README, METRICS = ROOT / "README.md", ROOT / "docs" / "metrics.md"
+README, METRICS, DESIGN = ROOT / "README.md", ROOT / "docs" / "metrics.md", ROOT / "docs" / "design.md"
 FENCE = re.compile(r"^[ \t]*```(?:python|py)[ \t]*\n(.*?)^[ \t]*```", re.M | re.S)
 W = 4
 
@@ -152,3 +154,16 @@ def test_metrics_md_runs_under_torch_xla_launch(tmp_path):
         assert torch.allclose(o["values"]["loss"], loss.compute()), r
     for key in ("uneven", "totals", "values"):
         same_on_every_replica(outs, key)
+
+
+def test_design_md_reproducer_runs(tmp_path):
+    # It reproduces a crash (torch_xla's race on the first .item(), 2 runs in
+    # 200): one run prints "ok" or dies of the SIGSEGV it is there to show;
+    # anything else (an API it uses gone, an error) fails.
+    (code,) = blocks(DESIGN)
+    script = tmp_path / "race.py"
+    script.write_text(code)
+    result = run(script, {})
+    assert (result.returncode, result.stdout) == (0, "ok\n") or (
+        result.returncode == -signal.SIGSEGV
+    ), result.stderr[-3000:]
