@@ -155,10 +155,14 @@ def test_bench_check_runs_and_reports_the_guard_costs_no_execution():
     assert re.search(r'op="sum" [0-9.]+ ms, a dict of 64 ops [0-9.]+ ms', result.stdout)
 
 
-def test_readme_pool_example_runs_as_a_script(tmp_path):
+def readme_pool_example() -> str:
     text = README.read_text().split("## Testing your own distributed code")[1]
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_pool_example_runs_as_a_script(tmp_path):
     script = tmp_path / "pool_example.py"
-    script.write_text(text.split("```python\n", 1)[1].split("```", 1)[0])
+    script.write_text(readme_pool_example())
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=300
     )

@@ -1,7 +1,8 @@
 """The README's first screen and docs/metrics.md run as a user runs them: a
 script whose ``main(index)`` holds the snippets, started by ``torch_xla.launch``
 on 4 XLA:CPU replicas; every replica's results are checked on the host. The
-reproducer in docs/design.md runs as the plain script it is."""
+reproducer in docs/design.md runs as the plain script it is. And every python
+block of README.md and docs/ runs in some test."""
 
 from __future__ import annotations
 
@@ -167,3 +168,22 @@ def test_design_md_reproducer_runs(tmp_path):
     assert (result.returncode, result.stdout) == (0, "ok\n") or (
         result.returncode == -signal.SIGSEGV
     ), result.stderr[-3000:]
+
+
+def test_every_python_block_of_the_readme_and_docs_runs_in_a_test():
+    from tests import test_demo_and_docs, test_launchers, test_migration
+
+    ran = {
+        *readme_first_screen(),
+        test_demo_and_docs.readme_pool_example(),
+        *blocks(METRICS),
+        *blocks(DESIGN),
+        test_launchers.snippet("xla"),
+        test_launchers.snippet("torchrun"),
+        *(code for s in test_migration.SECTIONS.values() for _, code in s.values()),
+    }
+    docs = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    found = [(path.name, code) for path in docs for code in blocks(path)]
+    assert len(found) >= 34  # (the fence pattern finds them: 3 + 4 + 1 + 2 + 24 today)
+    for name, code in found:
+        assert code in ran, f"{name}: this python block runs in no test:\n{code}"
