@@ -154,13 +154,14 @@ def test_to_cpu_fetches_one_buffer_per_dtype_not_per_leaf(xla4):
 @pytest.mark.parametrize(
     "name,kwargs,expected",
     [
-        ("gather", {}, {"all-gather": 4, "all-reduce": 0}),
+        # a move is one collective whatever its dtypes; a reduce, one per (dtype, op)
+        ("gather", {}, {"all-gather": 1, "all-reduce": 0}),
         ("reduce", {"op": "sum"}, {"all-gather": 0, "all-reduce": 3}),
         ("reduce", {"op": "min"}, {"all-gather": 0, "all-reduce": 4}),
-        ("broadcast", {"src": 3}, {"all-gather": 0, "all-reduce": 4}),
+        ("broadcast", {"src": 3}, {"all-gather": 0, "all-reduce": 1}),
     ],
 )
-def test_one_collective_per_dtype_in_the_hlo(xla4, name, kwargs, expected):
+def test_one_collective_per_move_and_per_reduced_dtype_in_the_hlo(xla4, name, kwargs, expected):
     w = xla4.world_size
     xla4.run(_setup, [(N_LEAVES, 3)] * w)
     hlo = []

@@ -74,14 +74,45 @@ def test_same_values_as_accelerate(gloo, data):
             assert_trees(ours, theirs, equal, f"rank {r}: {what}")
 
 
+def _alone(tree):
+    """:func:`_with_accelerate` with every move's bucket of one tensor of 16
+    bytes or more travelling alone (xcoll's threshold is 16 MiB), and no output
+    sharing memory with an input."""
+    from xcoll import _call
+
+    before, _call.ALONE = _call.ALONE, 16
+    try:
+        report = _with_accelerate(tree)
+        mine = {t.untyped_storage().data_ptr() for t in optree.tree_leaves(tree)}
+        for what in ("gather", "broadcast"):
+            out = getattr(xcoll, what)(tree)
+            for t in optree.tree_leaves(out):
+                assert t.untyped_storage().data_ptr() not in mine, what
+        return report
+    finally:
+        _call.ALONE = before
+
+
+@PROPERTY
+@given(data=st.data())
+def test_leaves_that_travel_alone_give_accelerates_values(gloo, data):
+    skeleton = data.draw(_tensor_skeletons(), "skeleton")
+    trees = data.draw(S.rank_trees(skeleton, gloo.world_size, exact=True, reorder=False), "trees")
+    for r, report in enumerate(gloo.run(_alone, trees)):
+        for what, (theirs, ours) in report.items():
+            equal = same_bits if what in ("gather", "broadcast") else same_values
+            assert_trees(ours, theirs, equal, f"rank {r}: {what}")
+
+
 # ---- one collective call per bucket ---------------------------------------------------
 
 _COUNTED = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast")
 
 
-def _count_calls(n_leaves):
-    """Calls xcoll on a tree of ``n_leaves`` leaves of 3 dtypes with the process
-    group's collectives wrapped, and returns how often each was called."""
+def _count_calls(n_leaves, big=2):
+    """Calls xcoll on a tree of ``n_leaves`` leaves of 3 dtypes (the first of
+    ``big`` rows, the others of 2) with the process group's collectives
+    wrapped, and returns how often each was called."""
     counts = dict.fromkeys(_COUNTED, 0)
     originals = {name: getattr(dist, name) for name in _COUNTED}
 
@@ -94,7 +125,7 @@ def _count_calls(n_leaves):
 
     dtypes = [torch.float32, torch.int64, torch.bfloat16]
     tree = {
-        f"x{i:03d}": torch.full((2, 3), xcoll.rank() + i, dtype=dtypes[i % 3])
+        f"x{i:03d}": torch.full((big if i == 0 else 2, 3), xcoll.rank() + i, dtype=dtypes[i % 3])
         for i in range(n_leaves)
     }
     calls = {}
@@ -122,14 +153,35 @@ def _count_calls(n_leaves):
 
 
 @pytest.mark.parametrize("n_leaves", [3, 60])
-def test_one_collective_call_per_bucket(gloo, n_leaves):
+def test_one_collective_call_per_move_and_per_reduced_bucket(gloo, n_leaves):
     expected = {
-        "gather": {"all_gather_into_tensor": 3},
+        "gather": {"all_gather_into_tensor": 1},  # every dtype in one buffer
         "sum": {"all_reduce": 3},
         "mean+max": {"all_reduce": 3},  # float32 and bfloat16 mean (sum), int64 max
-        "broadcast": {"broadcast": 3},
+        "broadcast": {"broadcast": 1},
     }
     assert gloo.run(_count_calls, [n_leaves] * gloo.world_size) == [expected] * gloo.world_size
+
+
+def _count_alone(_):
+    from xcoll import _call
+
+    before, _call.ALONE = _call.ALONE, 1024
+    try:
+        return _count_calls(3, big=256)
+    finally:
+        _call.ALONE = before
+
+
+def test_a_large_leaf_travels_alone_after_the_rest(gloo):
+    # x000 (float32, 256 x 3: 3 KiB) alone; the header, x001 and x002 in one buffer
+    expected = {
+        "gather": {"all_gather_into_tensor": 2},
+        "sum": {"all_reduce": 3},
+        "mean+max": {"all_reduce": 3},
+        "broadcast": {"broadcast": 2},
+    }
+    assert gloo.run(_count_alone, [None] * gloo.world_size) == [expected] * gloo.world_size
 
 
 # ---- sub-groups --------------------------------------------------------------------

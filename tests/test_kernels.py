@@ -9,6 +9,7 @@ from hypothesis import given
 
 from tests.helpers import PROPERTY
 from tests.replicas import shared_pool
+from xcoll import _pack
 from xcoll._tree import SUPPORTED_DTYPES
 
 _DTYPES = sorted(SUPPORTED_DTYPES, key=str)  # every dtype xcoll moves
@@ -63,6 +64,15 @@ def _both(case):
         got["unpack_flat"] = [_as_int(kernels, t) for t in same_size]
         pieces = kernels.split(unpacked, [[(world, *s) for s in b] for b in shapes])
         got["split"] = [[_as_int(kernels, t) for t in b] for b in pieces]
+        # a move's one buffer: a header segment, then the buckets by element size
+        joined = _pack.Joined.of(dtypes, sizes, guard=4)
+        header = torch.tensor([seed, 0, -1, 7], dtype=torch.int32).to(inputs[0][0].device)
+        segments = [[header]] + [inputs[k] for k in joined.order]
+        got["join_bytes"] = [_as_int(kernels, kernels.join(segments, joined))]
+        words = _random_bits(torch.int32, (world * joined.words,), seed + 1)
+        for wire in (False, True):
+            parts_out = kernels.unjoin(words.to(header.device), joined, world, wire=wire)
+            got[f"unjoin wire={wire}"] = [_as_int(kernels, t) for t in parts_out]
         joined = kernels.pack(inputs, shapes, encode=False)
         encoded = kernels.encode_reduce(joined, ops)
         got["encode_reduce"] = [_as_int(kernels, t) for t in encoded]

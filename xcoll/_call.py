@@ -65,20 +65,30 @@ class Plan:
     means: tuple[tuple[tuple[int, int], ...], ...] = ()
     _layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def layout(self, guard: int, gathered: int | None) -> Layout:
-        """The buckets' layout with a guard header of ``guard`` elements at the
-        front of bucket 0 (``gathered``: W for a gather, whose header comes back
-        as ``(W, guard)``)."""
-        key = (guard, gathered)
+    def layout(self, guard: int, gathered: int | None, joined: bool, eager: bool) -> Layout:
+        """The buckets' layout with a guard header of ``guard`` elements
+        (``gathered``: W for a gather, whose header comes back as ``(W,
+        guard)``): with ``joined``, a move's, whose buckets travel as one
+        buffer after the header (on an ``eager`` engine, a bucket of one large
+        tensor travels alone); otherwise at the front of bucket 0."""
+        key = (guard, gathered, joined, eager)
         if key not in self._layouts:
-            self._layouts[key] = Layout.of(self, guard, gathered)
+            self._layouts[key] = Layout.of(self, guard, gathered, joined, eager)
         return self._layouts[key]
+
+
+#: Bytes from which a move's bucket of one tensor travels as itself, in a
+#: collective of its own, on an eager engine: copying it into the joined
+#: buffer would cost more than a collective (a 16 MiB copy takes a few ms on
+#: 2 cores, as gloo's collective does) and as much memory again as the leaf.
+ALONE = 1 << 24
 
 
 @dataclass(frozen=True)
 class Layout:
     """Per bucket: its parts' shapes, slot sizes, pieces' shapes and mean
-    ranges, with the guard header (if any) as bucket 0's first slot."""
+    ranges, with the guard header (if any) as bucket 0's first slot unless
+    the buckets are :attr:`joined`."""
 
     part_shapes: list[tuple[tuple[int, ...], ...]]
     sizes: list[list[int]]
@@ -86,20 +96,53 @@ class Layout:
     means: list[tuple[tuple[int, int], ...]]
     #: Bucket 0's number of elements when it starts with a guard header, else None.
     header_total: int | None
+    #: The buckets that travel: those with elements, and bucket 0 when it
+    #: carries the header.
+    live: list[int]
+    #: A move's live buckets as one buffer, the header first, except those
+    #: :attr:`alone`; None for a reduce, and for a move with nothing to join.
+    joined: _pack.Joined | None
+    #: The header's piece's shape, if any.
+    header_shape: tuple[int, ...] | None
+    #: Positions in :attr:`live` of a move's buckets that travel as themselves.
+    alone: tuple[int, ...] = ()
 
     @staticmethod
-    def of(plan: Plan, guard: int, gathered: int | None) -> Layout:
+    def of(plan: Plan, guard: int, gathered: int | None, joined: bool, eager: bool) -> Layout:
         b = plan.buckets
         part_shapes = [x.part_shapes for x in b]
         sizes = [x.sizes for x in b]
         shapes = list(plan.shapes)
         means = list(plan.means) if plan.means else [() for _ in b]
+        header_shape = ((gathered, guard) if gathered else (guard,)) if guard else None
+        live = [k for k, x in enumerate(b) if x.size or (guard and k == 0 and not joined)]
+        if joined:
+            alone = tuple(
+                j
+                for j, k in enumerate(live)
+                if eager
+                and not b[k].scalars
+                and len(b[k].tensors) == 1
+                and b[k].size * b[k].dtype.itemsize >= ALONE
+            )
+            rest = [j for j in range(len(live)) if j not in alone]
+            join = (
+                _pack.Joined.of(
+                    [b[live[j]].dtype for j in rest], [sizes[live[j]] for j in rest], guard, rest
+                )
+                if rest or guard
+                else None
+            )
+            return Layout(
+                part_shapes, sizes, shapes, means, None, live, join, header_shape, alone
+            )
         if guard:
             part_shapes[0] = ((guard,), *part_shapes[0])
             sizes[0] = [guard, *sizes[0]]
-            shapes[0] = ((gathered, guard) if gathered else (guard,), *shapes[0])
+            shapes[0] = (header_shape, *shapes[0])
             means[0] = tuple((a + guard, z + guard) for a, z in means[0])
-        return Layout(part_shapes, sizes, shapes, means, sum(sizes[0]) if guard else None)
+        total = sum(sizes[0]) if guard else None
+        return Layout(part_shapes, sizes, shapes, means, total, live, None, header_shape)
 
 
 def _layout(
@@ -199,6 +242,10 @@ class Packed(Op):
     #: Whether the collective's result holds every replica's buffer (a gather),
     #: which unpacking makes slot-major.
     gathers = False
+    #: Whether every bucket travels in one buffer, as bytes (a move: the
+    #: bytes arrive unchanged, whatever their dtype); a reduce's buckets each
+    #: take the collective of their dtype and op.
+    joined = True
 
     def unpack(
         self, kernels: Kernels, plan: Plan, lay: Layout, live: list[int], results, world: int,
@@ -227,6 +274,11 @@ class Packed(Op):
     def finish(self, plan: Plan, i: int, t: torch.Tensor, world: int) -> torch.Tensor:
         """Leaf ``i``'s piece, for the leaves in ``plan.moved``."""
         return t
+
+    def alone(self, transport: Transport, leaf: torch.Tensor) -> torch.Tensor:
+        """The wire of a move's bucket that travels alone (:data:`ALONE`): the
+        collective only reads it."""
+        return _wire.encode_move(leaf.contiguous().reshape(-1), TORCH.bitcast)
 
     def scalar(self, block: torch.Tensor, like: Any) -> Any:
         """A Python scalar leaf's output from its slice of the scalar block."""
@@ -309,6 +361,7 @@ class Reduce(Packed):
     op: Any = "sum"
     name = "xcoll.reduce"
     kind = "reduce"
+    joined = False
 
     def key(self, flat, world):
         return ("reduce", _tree.prefix_key(self.op), world, flat.key)
@@ -409,6 +462,12 @@ class Broadcast(Packed):
 
     def send(self, transport, wire, bucket, guard):
         return transport.broadcast(wire, self.src, guard)
+
+    def alone(self, transport, leaf):
+        # written in place: src's own copy (its output must not alias its
+        # input), a receiver's empty buffer
+        own = leaf.clone() if transport.rank() == self.src else torch.empty_like(leaf)
+        return _wire.encode_move(own.reshape(-1), TORCH.bitcast)
 
     def how(self, bucket, transport):
         return "sum" if transport.broadcast_sums else ""
@@ -515,29 +574,41 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
     """The output leaves, in leaf order (Python scalars as 0-d CPU tensors)."""
     w = transport.world_size()
     guard = _guard.size(op.kind) if signature is not None else 0
-    lay = plan.layout(guard, w if op.gathers else None)
+    lay = plan.layout(guard, w if op.gathers else None, op.joined, not transport.lazy)
     out: list[Any] = [None] * len(flat.leaves)
-    live: list[int] = []
-    for k, (b, shapes) in enumerate(zip(plan.buckets, plan.shapes, strict=True)):
-        if b.size or (guard and k == 0):  # bucket 0 carries the guard
-            live.append(k)
+    live = lay.live
+    for b, shapes in zip(plan.buckets, plan.shapes, strict=True):
+        if b.size:
             continue
         for s, shape in zip(b.tensors, shapes, strict=True):  # only empty tensors: nothing to send
             device = "cpu" if to_cpu else flat.leaves[s.leaf].device
             t = torch.empty(shape, dtype=b.dtype, device=device)
             out[s.leaf] = op.finish(plan, s.leaf, t, w) if s.leaf in plan.moved else t
-    if not live:
+    if not live and not guard:
         return out
     buckets = [plan.buckets[k] for k in live]
     shapes = [lay.shapes[k] for k in live]
     leaves = transport.own_buffers(flat)
     parts = [_pack.parts(b, leaves, transport.upload) for b in buckets]
     del leaves
+    joined = lay.joined
     if guard:
-        fp, how = signature.fingerprint(), op.how(buckets[0], transport)
-        mine = _guard.header(fp, buckets[0].dtype, op.kind, how, w)
-        parts[0] = [_guard.uploaded(transport, fp, mine, op.kind), *parts[0]]
-    wires = op.pack(transport.kernels, plan, lay, live, parts)
+        fp, how = signature.fingerprint(), op.how(buckets[0] if buckets else None, transport)
+        dtype = torch.int32 if op.joined else buckets[0].dtype
+        mine = _guard.header(fp, dtype, op.kind, how, w)
+        head = [_guard.uploaded(transport, fp, mine, op.kind)]
+        if not op.joined:
+            parts[0] = head + parts[0]
+    if op.joined:
+        wires = []
+        if joined is not None:
+            segments = ([head] if guard else []) + [parts[j] for j in joined.order]
+            wires.append(transport.kernels.join(segments, joined))
+            del segments
+        wires += [op.alone(transport, parts[j][0]) for j in lay.alone]
+        sends = [None] * len(wires)
+    else:
+        wires, sends = op.pack(transport.kernels, plan, lay, live, parts), buckets
     del parts
     # (read here: on XLA the rank is per thread, and the watchdog has its own)
     rank, name = transport.rank(), op.name if signature is None else signature.name
@@ -574,29 +645,42 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
     )
     late = None
     with watch:
-        results = [op.send(transport, wires[0], buckets[0], guard)]
+        results = [op.send(transport, wires[0], sends[0], guard)]
         if guard and not transport.lazy and not one_sided:
             wait()  # checked before the call's other collectives start
             check(arrived(results[0]), mine.wire)
-        results += [op.send(transport, x, b, 0) for x, b in zip(wires[1:], buckets[1:], strict=True)]
+        results += [op.send(transport, x, b, 0) for x, b in zip(wires[1:], sends[1:], strict=True)]
         del wires
         wait()
         if one_sided:
             late = arrived(results[0])
-        flats = op.unpack(transport.kernels, plan, lay, live, results, w, wire=to_cpu)
+        header = None
+        gathered = w if op.gathers else None
+        if op.joined:
+            flats = [None] * len(live)
+            if joined is not None:
+                segs = transport.kernels.unjoin(results.pop(0), joined, gathered, wire=to_cpu)
+                header = segs.pop(0) if guard else None
+                for j, seg in zip(joined.order, segs, strict=True):
+                    flats[j] = seg
+            for j, r in zip(lay.alone, results, strict=True):  # (a gather's: slot-major)
+                flats[j] = r if to_cpu else _wire.decode_move(r, buckets[j].dtype, TORCH.bitcast)
+        else:
+            flats = op.unpack(transport.kernels, plan, lay, live, results, w, wire=to_cpu)
         del results
         if to_cpu:
-            hosts = transport.sync_and_fetch(flats)
+            hosts = transport.sync_and_fetch(flats + ([header] if header is not None else []))
+            header = hosts.pop() if header is not None else None
             pieces = TORCH.split(op.decode_on_host(plan, live, hosts), shapes)
         else:
             # Outputs are traced before the sync so that it materialises them; only
             # they, the scalar blocks and the header stay referenced, so they alone
             # become graph outputs.
-            pieces = transport.kernels.split(flats, shapes)
+            pieces = transport.kernels.split(flats, shapes) if flats else []
         del flats
-        # the header's piece of bucket 0 (eager engines checked its wire form)
-        header = pieces[0].pop(0) if guard else None
-        if not transport.lazy:
+        if guard and not op.joined:  # the header's piece of bucket 0
+            header = pieces[0].pop(0)
+        if not transport.lazy:  # (eager engines checked its wire form)
             header = None
         if header is not None and to_cpu:
             check(_guard.as_bytes(header), mine.decoded)
@@ -608,7 +692,8 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
         ]
         for b, bucket_pieces in zip(buckets, pieces, strict=True):
             _place(op, plan, b, bucket_pieces, out, w)
-        del pieces, bucket_pieces
+        del pieces
+        bucket_pieces = None
         if not to_cpu:
             fetch = blocks + ([header] if header is not None else [])
             if sync and fetch:

@@ -103,7 +103,7 @@ def header(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: i
         values = bits if kind == "gather" else [*bits, *(1 - b for b in bits)]
         if kind == "reduce":
             part = torch.tensor(values, dtype=dtype)
-            wire = _wire.encode_reduce(part, how, TORCH.bitcast)
+            wire = _wire.encode_reduce(part.clone(), how, TORCH.bitcast)
         else:
             wire = torch.tensor(values, dtype=_wire.wire_dtype(dtype))
             part = _wire.decode_move(wire, dtype, TORCH.bitcast)
@@ -113,7 +113,7 @@ def header(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: i
         elif how == "sum":
             wire = wire * world
         if kind == "reduce":
-            decoded = _wire.decode_reduce(wire, dtype, how, TORCH.bitcast)
+            decoded = _wire.decode_reduce(wire.clone(), dtype, how, TORCH.bitcast)
         else:
             decoded = _wire.decode_move(wire, dtype, TORCH.bitcast)
         return Header(part, as_bytes(wire), as_bytes(decoded))

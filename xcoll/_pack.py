@@ -132,7 +132,7 @@ def slot_major(buf: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     blocks = [
         buf[:, a : a + k * n].reshape(w, k, n).transpose(0, 1).reshape(-1) for a, k, n in runs(sizes)
     ]
-    return torch.cat(blocks)
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def split(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -187,6 +187,86 @@ def numel(shape: tuple[int, ...]) -> int:
 
 
 _CAT_GRAIN = 32768  # torch's GRAIN_SIZE: larger copies run on several threads
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A move's buckets as the bytes of one buffer of 32-bit words, so that a
+    gather or a broadcast is one collective whatever its dtypes: the guard's
+    header (int32 words, when the call has one) first, then the buckets by
+    descending element size, so that each starts aligned for its dtype (every
+    earlier segment's size is a multiple of its element size), then zero bytes
+    up to a whole word."""
+
+    #: Positions in the call's list of live buckets, in byte order.
+    order: tuple[int, ...]
+    #: Each segment's dtype (the header's int32 first, if any) and slot sizes
+    #: in elements.
+    dtypes: tuple[torch.dtype, ...]
+    sizes: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def of(
+        dtypes: Sequence[torch.dtype],
+        sizes: Sequence[Sequence[int]],
+        guard: int,
+        positions: Sequence[int] | None = None,
+    ) -> Joined:
+        """For buckets of ``dtypes`` and slot ``sizes`` (at ``positions`` in
+        the list of live buckets, default ``0, 1, ...``), and a header of
+        ``guard`` words."""
+        if guard % 2:
+            raise ValueError(f"a header of {guard} int32 words would misalign 8-byte dtypes")
+        by_size = sorted(range(len(dtypes)), key=lambda k: -dtypes[k].itemsize)
+        at = list(range(len(dtypes))) if positions is None else list(positions)
+        head = ((torch.int32,), ((guard,),)) if guard else ((), ())
+        return Joined(
+            tuple(at[k] for k in by_size),
+            head[0] + tuple(dtypes[k] for k in by_size),
+            head[1] + tuple(tuple(sizes[k]) for k in by_size),
+        )
+
+    @functools.cached_property
+    def nbytes(self) -> tuple[int, ...]:
+        """Each segment's number of bytes (one replica's)."""
+        return tuple(sum(n) * d.itemsize for d, n in zip(self.dtypes, self.sizes, strict=True))
+
+    @functools.cached_property
+    def pad(self) -> int:
+        return -sum(self.nbytes) % 4
+
+    @functools.cached_property
+    def words(self) -> int:
+        return (sum(self.nbytes) + self.pad) // 4
+
+    @functools.cached_property
+    def byte_sizes(self) -> list[int]:
+        """Every slot's number of bytes, in buffer order, the padding's last."""
+        out = [n * d.itemsize for d, ns in zip(self.dtypes, self.sizes, strict=True) for n in ns]
+        return out + ([self.pad] if self.pad else [])
+
+
+def fill(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Copies ``parts``, flattened, one after another into the 1-d ``out``,
+    serially: ``torch.cat`` of more than 32768 elements runs on several
+    threads, which on 2 cores cost 184 us against 19 us for 256 leaves of 128
+    float32. Consecutive parts are copied together up to that size; a larger
+    part is copied alone (its copy is worth the threads)."""
+    group: list[torch.Tensor] = []
+    at = start = 0
+    for p in parts:
+        n = p.numel()
+        if group and at - start + n > _CAT_GRAIN:
+            torch.cat(group, out=out[start:at])
+            group, start = [], at
+        if n > _CAT_GRAIN:
+            out[at : at + n].copy_(p.reshape(-1))
+            start = at + n
+        else:
+            group.append(p.reshape(-1))
+        at += n
+    if group:
+        torch.cat(group, out=out[start:at])
 
 
 def concat(parts: Sequence[torch.Tensor], total: int | None = None) -> torch.Tensor:

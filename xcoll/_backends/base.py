@@ -65,6 +65,39 @@ class Kernels:
             out.append(_pack.slot_major(r.view(world, -1), n) if world else r)
         return out
 
+    def join(self, segments: Sequence[Sequence[torch.Tensor]], joined: _pack.Joined) -> torch.Tensor:
+        """A move's segments (the header's part, then each live bucket's parts,
+        in ``joined``'s order) as the bytes of one new int32 buffer of
+        ``joined.words`` words (:class:`xcoll._pack.Joined`). The bytes are
+        copied as they are, so every dtype moves bit for bit."""
+        out = torch.empty(joined.words, dtype=torch.int32, device=segments[0][0].device)
+        raw = out.view(torch.uint8)
+        at = 0
+        for parts, dtype, n in zip(segments, joined.dtypes, joined.nbytes, strict=True):
+            _pack.fill(raw[at : at + n].view(dtype), parts)
+            at += n
+        raw[at:].zero_()
+        return out
+
+    def unjoin(
+        self, result: torch.Tensor, joined: _pack.Joined, world: int | None, wire: bool
+    ) -> list[torch.Tensor]:
+        """Inverse of :meth:`join` on the collective's result: each segment
+        1-d, as its dtype (with ``wire``, as its integer wire form, for
+        :func:`xcoll._wire.decode_move` after a download). With ``world`` (a
+        gather's ``(world * words,)`` result) each slot's ``(world, size)``
+        block is contiguous, as :meth:`unpack` makes it."""
+        raw = result.view(torch.uint8)
+        w = world or 1
+        if w > 1:
+            raw = _pack.slot_major(raw.view(w, -1), joined.byte_sizes)
+        out, at = [], 0
+        for dtype, n in zip(joined.dtypes, joined.nbytes, strict=True):
+            seg = raw[at : at + w * n].view(_wire.wire_dtype(dtype))
+            out.append(seg if wire else _wire.decode_move(seg, dtype, self.bitcast))
+            at += w * n
+        return out
+
     def encode_reduce(
         self, bufs: Sequence[torch.Tensor], ops: Sequence[str]
     ) -> list[torch.Tensor]:

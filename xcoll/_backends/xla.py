@@ -114,6 +114,40 @@ def _decode(op, dtype: torch.dtype):
     return op
 
 
+def _slot_major(op, world: int, sizes):
+    """_pack.slot_major in an XLA computation: ``op`` of shape ``(world, sum(sizes))``."""
+    blocks = [
+        op.slice_in_dim(a, a + k * m, 1)
+        .reshape([world, k, m])
+        .transpose([1, 0, 2])
+        .reshape([world * k * m])
+        for a, k, m in _pack.runs(sizes)
+    ]
+    return xb.Op.concat_in_dim(blocks, 0) if len(blocks) > 1 else blocks[0]
+
+
+def _bytes(op):
+    """A 1-d integer ``op`` as its bytes (little-endian, as a torch view)."""
+    t = op.shape().dtype
+    if t == xb.Type.U8:
+        return op
+    if t in (xb.Type.S8, xb.Type.PRED):
+        return op.bitcast(xb.Type.U8)
+    n = op.shape().sizes[0]
+    raw = op.bitcast(xb.Type.U8)  # (n, itemsize)
+    return raw.reshape([n * raw.shape().sizes[-1]])
+
+
+def _typed(raw, dtype: torch.dtype):
+    """Inverse of :func:`_bytes` for a 1-d ``raw`` of u8 and an integer ``dtype``."""
+    if dtype == torch.uint8:
+        return raw
+    if dtype.itemsize == 1:
+        return raw.bitcast(_XLA_TYPES[dtype])
+    n = raw.shape().sizes[0] // dtype.itemsize
+    return raw.reshape([n, dtype.itemsize]).bitcast(_XLA_TYPES[dtype])
+
+
 def _encode_reduce(op, dtype: torch.dtype, how: str):
     """_wire.encode_reduce in an XLA computation: its constants are part of the
     computation (a Python scalar in a torch op on an XLA tensor would be device
@@ -211,6 +245,51 @@ class XlaKernels(Kernels):
         key = ("pack", encode, tuple(dtypes), tuple(tuple(s) for s in shapes))
         return _apply("pack", key, build, flat)
 
+    def join(self, segments, joined):
+        parts = [[t for t in seg if t.numel()] for seg in segments]  # (empty: no bytes)
+        flat = [t for seg in parts for t in seg]
+        counts = [len(seg) for seg in parts]
+
+        def build():
+            def join(*params):
+                pieces, at = [], 0
+                for dtype, k in zip(joined.dtypes, counts, strict=True):
+                    for q in params[at : at + k]:
+                        wire = _encode(q, dtype)
+                        pieces.append(_bytes(wire.reshape([_pack.numel(wire.shape().sizes)])))
+                    at += k
+                if joined.pad:
+                    zero = xb.Op.scalar(params[0].builder(), 0, dtype=xb.Type.U8)
+                    pieces.append(zero.broadcast([joined.pad]))
+                raw = xb.Op.concat_in_dim(pieces, 0) if len(pieces) > 1 else pieces[0]
+                return xb.Op.tuple([raw.reshape([joined.words, 4]).bitcast(xb.Type.S32)])
+
+            return xb.create_computation("xcoll_join", join, [xb.tensor_shape(t) for t in flat])
+
+        key = ("join", joined, tuple(tuple(t.shape) for t in flat), tuple(t.dtype for t in flat))
+        return _apply("join", key, build, flat)[0]
+
+    def unjoin(self, result, joined, world, wire):
+        w = world or 1
+
+        def build():
+            def unjoin(p):
+                raw = p.reshape([w, joined.words]).bitcast(xb.Type.U8)  # (w, words, 4)
+                if w > 1:
+                    raw = _slot_major(raw.reshape([w, 4 * joined.words]), w, joined.byte_sizes)
+                else:
+                    raw = raw.reshape([4 * joined.words])
+                out, at = [], 0
+                for dtype, n in zip(joined.dtypes, joined.nbytes, strict=True):
+                    seg = _typed(raw.slice_in_dim(at, at + w * n, 0), _wire.wire_dtype(dtype))
+                    out.append(seg if wire else _decode(seg, dtype))
+                    at += w * n
+                return xb.Op.tuple(out)
+
+            return xb.create_computation("xcoll_unjoin", unjoin, [xb.tensor_shape(result)])
+
+        return _apply("unjoin", ("unjoin", joined, w, wire), build, [result])
+
     def unpack(self, results, dtypes, sizes, world):
         def build():
             def unpack(*params):
@@ -218,17 +297,7 @@ class XlaKernels(Kernels):
                 for p, dtype, n in zip(params, dtypes, sizes, strict=True):
                     # regrouped as integers, decoded last (as in pack)
                     if world and world > 1:  # each slot's (W, size) block made contiguous
-                        p = xb.Op.concat_in_dim(
-                            [
-                                p.reshape([world, sum(n)])
-                                .slice_in_dim(a, a + k * m, 1)
-                                .reshape([world, k, m])
-                                .transpose([1, 0, 2])
-                                .reshape([world * k * m])
-                                for a, k, m in _pack.runs(n)
-                            ],
-                            0,
-                        )
+                        p = _slot_major(p.reshape([world, sum(n)]), world, n)
                     out.append(_decode(p, dtype))
                 return xb.Op.tuple(out)
 
