@@ -100,7 +100,9 @@ XLA_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 
 def run(script: pathlib.Path, env: dict[str, str], *launcher: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "CPU_"))}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CI"):
+    # USE_TORCH_XLA too: tests that start accelerate in-process set it to 0
+    launch = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CI")
+    for k in (*launch, "USE_TORCH_XLA"):
         clean.pop(k, None)
     return subprocess.run(
         [sys.executable, *launcher, str(script)],

@@ -25,6 +25,11 @@ def test_demo_runs_and_matches_the_single_process_reference():
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "OK" in result.stdout
     assert "graph executions per replica: 10 (8 batches" in result.stdout
+    # 1001 samples on 4 replicas: 251 each, in 7 batches of 32 and one of 27
+    assert (
+        "compilations: 5 (the first call's consistency check, the first batch, "
+        "the other full batches, the last, shorter batch, the final reduce)"
+    ) in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("module", [xcoll, xcoll._collectives])

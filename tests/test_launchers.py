@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pathlib
 
-import pytest
-
 from tests.helpers import XLA_CPU, run
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "launchers.md"
@@ -64,34 +62,162 @@ def test_torchrun_with_gloo_runs_the_docs_snippet(tmp_path):
     assert "count [6] of 2 replicas" in result.stdout, result.stdout
 
 
-_XLA_IN_A_TORCHRUN_JOB = """
-import torch, torch_xla, xcoll
-torch_xla.device()  # XLA's runtime starts, as accelerate's XLA path starts it
+TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+
+# One write per line: print's separate writes of the text and its newline
+# interleave between the two processes' shared stdout.
+_SAY = """
+import sys
+def say(*words):
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")
+    sys.stdout.flush()
+"""
+
+# What a user of accelerate does: an Accelerator, then xcoll calls on CPU
+# tensors and on the accelerator's device. With torch_xla installed and
+# USE_TORCH_XLA unset, Accelerator(cpu=True) takes accelerate's XLA path (even
+# with cpu=True and no PJRT_DEVICE): XLA's runtime starts, torch.distributed is
+# not initialised, and each process is a world of one.
+_ACCELERATE_XLA_PATH = _SAY + """
+import os, torch, torch.distributed as dist, xcoll
+from accelerate import Accelerator
+from accelerate.utils import broadcast, gather, gather_object, reduce
+accelerator = Accelerator(cpu=True)
+rank = int(os.environ["RANK"])
+say("state", accelerator.distributed_type, accelerator.device.type, accelerator.num_processes,
+      "dist", dist.is_initialized())
+# accelerate's own collectives return this process's values alone, without an error
+mine = lambda: (torch.arange(2.0) + 10 * rank).to(accelerator.device)
+say("accelerate", rank, gather(mine()).cpu().tolist(), reduce(mine(), "sum").cpu().tolist(),
+      broadcast(mine(), from_process=0).cpu().tolist())
 try:
-    xcoll.gather({"x": torch.ones(2)})
-except TypeError as e:
-    print("raised", e)
+    gather_object([rank])
+except NotImplementedError as e:
+    say("gather_object raised", e)
+
+
+def calls(when):
+    for where, dev in (("cpu", torch.device("cpu")), ("accelerator.device", accelerator.device)):
+        try:
+            out = xcoll.gather({"x": (torch.arange(2.0) + 10 * rank).to(dev)})
+            say("returned", when, where, out["x"].cpu().tolist())
+        except (TypeError, RuntimeError) as e:
+            say("raised", when, where, type(e).__name__, e)
+
+
+calls("alone")
+# the errors' other way out: a process group of one's own, which serves CPU leaves
+dist.init_process_group("gloo")
+calls("with-dist")
+dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("launcher", ["torchrun"])
-def test_xla_runtime_in_a_torchrun_job_names_the_likely_cause(tmp_path, launcher):
+def test_accelerate_on_its_xla_path_in_a_torchrun_job_names_use_torch_xla(tmp_path):
     script = tmp_path / "script.py"
-    script.write_text(_XLA_IN_A_TORCHRUN_JOB)
-    result = run(
-        script,
-        {"PJRT_DEVICE": "CPU"},
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+    script.write_text(_ACCELERATE_XLA_PATH)
+    result = run(script, {}, *TORCHRUN_2)
+    assert result.returncode == 0, result.stderr[-3000:]  # both processes ended: no hang
+    out = result.stdout.splitlines()
+    assert out.count("state DistributedType.XLA xla 1 dist False") == 2, result.stdout
+    assert sorted(x for x in out if x.startswith("accelerate")) == [
+        "accelerate 0 [0.0, 1.0] [0.0, 1.0] [0.0, 1.0]",
+        "accelerate 1 [10.0, 11.0] [10.0, 11.0] [10.0, 11.0]",
+    ], result.stdout
+    assert sum(x.startswith("gather_object raised") for x in out) == 2, result.stdout
+    ends = [x for x in out if x.startswith(("raised", "returned"))]
+    assert len(ends) == 8, result.stdout  # four calls on each of the two processes
+    own_group = ", or call torch.distributed.init_process_group first"
+    cases = [
+        ("alone cpu TypeError", own_group),
+        ("alone accelerator.device RuntimeError", ""),
+        ("with-dist accelerator.device RuntimeError", ""),
+    ]
+    for start, then in cases:
+        lines = [x for x in ends if x.startswith(f"raised {start}")]
+        assert len(lines) == 2, result.stdout
+        assert {("rank 0 of 2" in x, "rank 1 of 2" in x) for x in lines} == {
+            (True, False),
+            (False, True),
+        }, lines
+        for x in lines:
+            # only what helps: XLA leaves are not served by a process group
+            assert x.endswith(f"set USE_TORCH_XLA=0){then} (docs/launchers.md)"), x
+            assert "move the leaves to the replica's XLA device" not in x, x
+    assert ends.count("returned with-dist cpu [0.0, 1.0, 10.0, 11.0]") == 2, result.stdout
+
+
+# With USE_TORCH_XLA=0 the same Accelerator(cpu=True) initialises gloo itself
+# (accelerate's MULTI_CPU path, from torchrun's environment): xcoll uses that
+# process group, and docs/migration.md's accelerate "before" snippets give what
+# their xcoll "after" gives.
+_ACCELERATE_GLOO = _SAY + """
+import optree, torch, torch.distributed as dist, xcoll
+from accelerate import Accelerator
+accelerator = Accelerator(cpu=True)
+rank, dev = accelerator.process_index, accelerator.device
+say("state", accelerator.distributed_type, dev.type, dist.is_initialized() and dist.get_backend())
+out = xcoll.gather({"p": (torch.arange(3.0) + 10 * rank).to(dev)})
+total = xcoll.reduce({"c": torch.tensor([3 + rank], device=dev)}, "sum")
+got = xcoll.broadcast({"b": torch.tensor([rank + 5.0], device=dev)}, src=1)
+say("xcoll", rank, out["p"].tolist(), total["c"].tolist(), got["b"].tolist())
+
+
+def snippet(code):
+    # the namespace tests/test_migration.py gives the snippets
+    g = torch.Generator().manual_seed(rank)
+    tree = {"logits": torch.randn(4, 3, generator=g).to(dev),
+            "labels": (torch.arange(4) + 10 * rank).to(dev)}
+    obj = {"rank": rank, "name": f"r{rank}", "values": [1.5, None]}
+    torch.manual_seed(rank)
+    ns = {"torch": torch, "xcoll": xcoll, "tree": tree, "obj": obj, "rank": rank, "dev": dev}
+    exec(code, ns)
+    return ns["result"]
+
+
+def same(a, b):
+    la, sa = optree.tree_flatten(a, none_is_leaf=True)
+    lb, sb = optree.tree_flatten(b, none_is_leaf=True)
+    return sa == sb and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
     )
+
+
+for title, marker, before, after in SECTIONS:
+    theirs, ours = snippet(before), snippet(after)
+    if "not compared" in marker:
+        say("ran", title)
+        continue
+    if "sorted" in marker:
+        theirs = theirs.sort().values
+    say("same" if same(theirs, ours) else "differs", title)
+"""
+
+
+def test_accelerate_with_use_torch_xla_0_in_a_torchrun_job_runs_xcoll_and_the_migration(
+    tmp_path,
+):
+    from tests.test_migration import SECTIONS
+
+    accelerate = [
+        (title, blocks["before"][0], blocks["before"][1], blocks["after"][1])
+        for title, blocks in SECTIONS.items()
+        if blocks["before"][0].startswith("before: gloo")
+    ]
+    assert len(accelerate) == 8
+    script = tmp_path / "script.py"
+    script.write_text(f"SECTIONS = {accelerate!r}\n" + _ACCELERATE_GLOO)
+    result = run(script, {"USE_TORCH_XLA": "0"}, *TORCHRUN_2)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("raised")]
-    assert len(lines) == 2, result.stdout
-    for line in lines:
-        assert "of 2 (torchrun's environment)" in line and "USE_TORCH_XLA=0" in line, line
+    out = result.stdout.splitlines()
+    assert out.count("state DistributedType.MULTI_CPU cpu gloo") == 2, result.stdout
+    assert sorted(x for x in out if x.startswith("xcoll")) == [
+        "xcoll 0 [0.0, 1.0, 2.0, 10.0, 11.0, 12.0] [7] [6.0]",
+        "xcoll 1 [0.0, 1.0, 2.0, 10.0, 11.0, 12.0] [7] [6.0]",
+    ], result.stdout
+    for title, marker, _, _ in accelerate:
+        word = "ran" if "not compared" in marker else "same"
+        assert out.count(f"{word} {title}") == 2, (title, result.stdout)
 
 
 _CAUGHT = """

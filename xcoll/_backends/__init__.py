@@ -91,10 +91,14 @@ def resolve(flat: Flat, group: Any = None) -> Transport:
     elif xla_runtime_running():
         # Treating them as a world of one would silently return W-times-smaller results.
         first = next(i for i, s in enumerate(flat.signature) if isinstance(s, tuple))
+        where = f"{flat.path(first)} is on {flat.devices[0]}, but this process runs XLA replicas"
+        hint = launch_hint(xla_leaves=False)
+        # In a torchrun job the leaves' device is not the mistake (moved to XLA,
+        # they would meet the same world of one): only the cause is named.
         raise TypeError(
-            f"{flat.path(first)} is on {flat.devices[0]}, but this process runs XLA replicas; "
-            "move the leaves to the replica's XLA device (torch_xla.device())"
-            + launch_hint()
+            where + hint
+            if hint
+            else where + "; move the leaves to the replica's XLA device (torch_xla.device())"
         )
     else:
         transport = LocalTransport(flat.devices[0])

@@ -398,7 +398,7 @@ def _check_thread_pool(device: torch.device) -> None:
     global _pool_ok
     if _pool_ok:
         return
-    hint = launch_hint()
+    hint = launch_hint(xla_leaves=True)
     if hint and xr.world_size() == 1:  # results would be W times too small
         raise RuntimeError("xcoll: XLA runs this process as a world of one" + hint)
     replicas = xr.addressable_runtime_device_count()
