@@ -52,29 +52,23 @@ def _both(case):
     on_device = [[p.to(dev) for p in bucket] for bucket in parts]
     for name, kernels, inputs in (("torch", TORCH, parts), ("xla", xla, on_device)):
         got = out[name]
-        got["pack"] = [_as_int(kernels, t) for t in kernels.pack(inputs, shapes, encode=True)]
-        got["join"] = [_as_int(kernels, t) for t in kernels.pack(inputs, shapes, encode=False)]
-        wires = [
-            _random_bits(w.dtype, (world * w.numel(),), seed + k).to(inputs[0][0].device)
-            for k, w in enumerate(got["pack"])
+        got["pack"] = [_as_int(kernels, t) for t in kernels.pack(inputs, shapes)]
+        flats = [
+            _random_bits(dtype, (world * sum(n),), seed + k).to(inputs[0][0].device)
+            for k, (dtype, n) in enumerate(zip(dtypes, sizes, strict=True))
         ]
-        unpacked = kernels.unpack(wires, dtypes, sizes, world)
-        got["unpack"] = [_as_int(kernels, t) for t in unpacked]
-        same_size = kernels.unpack([w[: w.numel() // world] for w in wires], dtypes, sizes, None)
-        got["unpack_flat"] = [_as_int(kernels, t) for t in same_size]
-        pieces = kernels.split(unpacked, [[(world, *s) for s in b] for b in shapes])
+        pieces = kernels.split(flats, [[(world, *s) for s in b] for b in shapes])
         got["split"] = [[_as_int(kernels, t) for t in b] for b in pieces]
         # a move's one buffer: a header segment, then the buckets by element size
         joined = _pack.Joined.of(dtypes, sizes, guard=4)
         header = torch.tensor([seed, 0, -1, 7], dtype=torch.int32).to(inputs[0][0].device)
         segments = [[header]] + [inputs[k] for k in joined.order]
-        got["join_bytes"] = [_as_int(kernels, kernels.join(segments, joined))]
-        words = _random_bits(torch.int32, (world * joined.words,), seed + 1)
+        got["join"] = [_as_int(kernels, kernels.join(segments, joined))]
+        words = _random_bits(torch.int32, (world * joined.words,), seed + 1).to(header.device)
         for wire in (False, True):
-            parts_out = kernels.unjoin(words.to(header.device), joined, world, wire=wire)
-            got[f"unjoin wire={wire}"] = [_as_int(kernels, t) for t in parts_out]
-        joined = kernels.pack(inputs, shapes, encode=False)
-        encoded = kernels.encode_reduce(joined, ops)
+            segs = kernels.unjoin(words, joined, world, wire)
+            got[f"unjoin wire={wire}"] = [_as_int(kernels, t) for t in segs]
+        encoded = kernels.encode_reduce(kernels.pack(inputs, shapes), ops)
         got["encode_reduce"] = [_as_int(kernels, t) for t in encoded]
         # decoded from random wires: any bits an all-reduce could return
         reduced = [

@@ -221,13 +221,6 @@ class Packed(Op):
     #: The guard header's kind (:func:`xcoll._guard.header`).
     kind: str
 
-    def pack(
-        self, kernels: Kernels, plan: Plan, lay: Layout, live: list[int], parts
-    ) -> list[torch.Tensor]:
-        """The wire buffer of each live bucket (indices into ``plan.buckets``)."""
-        shapes = [lay.part_shapes[k] for k in live]
-        return kernels.pack(parts, shapes, encode=True, header=lay.header_total)
-
     @abstractmethod
     def send(
         self, transport: Transport, wire: torch.Tensor, bucket: _pack.Bucket, guard: int
@@ -246,30 +239,6 @@ class Packed(Op):
     #: bytes arrive unchanged, whatever their dtype); a reduce's buckets each
     #: take the collective of their dtype and op.
     joined = True
-
-    def unpack(
-        self, kernels: Kernels, plan: Plan, lay: Layout, live: list[int], results, world: int,
-        wire: bool,
-    ) -> list[torch.Tensor]:
-        """Each result as a 1-d buffer of the bucket's dtype in which each slot's
-        block is contiguous, in slot order (the Python scalars' block last).
-        With ``wire``, the buffers keep the integer wire form, for
-        :meth:`decode_on_host` after the download (a device's download of
-        floats may change NaN payloads: torch_xla's float16 download does)."""
-        buckets = [plan.buckets[k] for k in live]
-        return kernels.unpack(
-            results,
-            [_wire.wire_dtype(b.dtype) if wire else b.dtype for b in buckets],
-            [lay.sizes[k] for k in live],
-            world if self.gathers else None,
-        )
-
-    def decode_on_host(self, plan: Plan, live: list[int], hosts) -> list[torch.Tensor]:
-        """:meth:`unpack`'s ``wire`` buffers, downloaded, as the buckets' dtypes."""
-        return [
-            _wire.decode_move(h, plan.buckets[k].dtype, TORCH.bitcast)
-            for h, k in zip(hosts, live, strict=True)
-        ]
 
     def finish(self, plan: Plan, i: int, t: torch.Tensor, world: int) -> torch.Tensor:
         """Leaf ``i``'s piece, for the leaves in ``plan.moved``."""
@@ -400,9 +369,12 @@ class Reduce(Packed):
         )
         return dataclasses.replace(plan, means=tuple(_ranges(b, means) for b in plan.buckets))
 
-    def pack(self, kernels, plan, lay, live, parts):
+    def pack(
+        self, kernels: Kernels, plan: Plan, lay: Layout, live: list[int], parts
+    ) -> list[torch.Tensor]:
+        """The wire buffer of each live bucket (indices into ``plan.buckets``)."""
         shapes = [lay.part_shapes[k] for k in live]
-        joined = kernels.pack(parts, shapes, encode=False, header=lay.header_total)
+        joined = kernels.pack(parts, shapes, header=lay.header_total)
         return kernels.encode_reduce(joined, [plan.buckets[k].key[1] for k in live])
 
     def send(self, transport, wire, bucket, guard):
@@ -411,8 +383,11 @@ class Reduce(Packed):
     def how(self, bucket, transport):
         return bucket.key[1]
 
-    def unpack(self, kernels, plan, lay, live, results, world, wire):
-        # (NaN results are the quiet NaN, which every download keeps)
+    def unpack(
+        self, kernels: Kernels, plan: Plan, lay: Layout, live: list[int], results, world: int
+    ) -> list[torch.Tensor]:
+        """Each result decoded, as a 1-d buffer of its bucket's dtype (NaN
+        results are the quiet NaN, which every download keeps)."""
         buckets = [plan.buckets[k] for k in live]
         return kernels.decode_reduce(
             results,
@@ -421,9 +396,6 @@ class Reduce(Packed):
             [lay.means[k] for k in live],
             world,
         )
-
-    def decode_on_host(self, plan, live, hosts):
-        return hosts
 
 
 def _ranges(bucket: _pack.Bucket, leaves: frozenset[int]) -> tuple[tuple[int, int], ...]:
@@ -570,6 +542,25 @@ def _place(op: Packed, plan: Plan, bucket: _pack.Bucket, pieces, out: list[Any],
         out[s.leaf] = op.finish(plan, s.leaf, t, w) if s.leaf in plan.moved else t
 
 
+def _unjoin(kernels: Kernels, lay: Layout, buckets, results, gathered: int | None, wire: bool):
+    """A move's header piece (or None) and each live bucket's 1-d buffer (in
+    the integer ``wire`` form, or decoded), from its collectives' ``results``:
+    the joined buffer's first, if any, then those of the buckets that travel
+    alone (eager engines only; a gather's result of one slot is slot-major
+    already)."""
+    flats: list[Any] = [None] * len(buckets)
+    header = None
+    results = list(results)
+    if lay.joined is not None:
+        segments = kernels.unjoin(results.pop(0), lay.joined, gathered, wire)
+        header = segments.pop(0) if lay.header_shape else None
+        for j, seg in zip(lay.joined.order, segments, strict=True):
+            flats[j] = seg
+    for j, r in zip(lay.alone, results, strict=True):
+        flats[j] = r if wire else _wire.decode_move(r, buckets[j].dtype, TORCH.bitcast)
+    return header, flats
+
+
 def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]:
     """The output leaves, in leaf order (Python scalars as 0-d CPU tensors)."""
     w = transport.world_size()
@@ -654,28 +645,33 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
         wait()
         if one_sided:
             late = arrived(results[0])
+        # Each bucket's buffer is made on the engine's device: one computation
+        # on XLA, where every torch call of a replica thread can hand the GIL to
+        # another (docs/design.md). With to_cpu, a move's buffers come to the
+        # host in their integer wire form (a device's download of floats may
+        # change NaN payloads: torch_xla's float16 one does; a reduce's NaN are
+        # the quiet NaN, which every download keeps) and are cut there.
+        # Otherwise outputs are traced before the sync so that it materialises
+        # them; only they, the scalar blocks and the header stay referenced, so
+        # they alone become graph outputs.
         header = None
-        gathered = w if op.gathers else None
         if op.joined:
-            flats = [None] * len(live)
-            if joined is not None:
-                segs = transport.kernels.unjoin(results.pop(0), joined, gathered, wire=to_cpu)
-                header = segs.pop(0) if guard else None
-                for j, seg in zip(joined.order, segs, strict=True):
-                    flats[j] = seg
-            for j, r in zip(lay.alone, results, strict=True):  # (a gather's: slot-major)
-                flats[j] = r if to_cpu else _wire.decode_move(r, buckets[j].dtype, TORCH.bitcast)
+            header, flats = _unjoin(
+                transport.kernels, lay, buckets, results, w if op.gathers else None, to_cpu
+            )
         else:
-            flats = op.unpack(transport.kernels, plan, lay, live, results, w, wire=to_cpu)
+            flats = op.unpack(transport.kernels, plan, lay, live, results, w)
         del results
         if to_cpu:
-            hosts = transport.sync_and_fetch(flats + ([header] if header is not None else []))
-            header = hosts.pop() if header is not None else None
-            pieces = TORCH.split(op.decode_on_host(plan, live, hosts), shapes)
+            flats = transport.sync_and_fetch(flats + ([header] if header is not None else []))
+            header = flats.pop() if header is not None else None
+            if op.joined:
+                flats = [
+                    _wire.decode_move(f, b.dtype, TORCH.bitcast)
+                    for f, b in zip(flats, buckets, strict=True)
+                ]
+            pieces = TORCH.split(flats, shapes)
         else:
-            # Outputs are traced before the sync so that it materialises them; only
-            # they, the scalar blocks and the header stay referenced, so they alone
-            # become graph outputs.
             pieces = transport.kernels.split(flats, shapes) if flats else []
         del flats
         if guard and not op.joined:  # the header's piece of bucket 0

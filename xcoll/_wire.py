@@ -75,19 +75,36 @@ def decode_move(wire: torch.Tensor, dtype: torch.dtype, bitcast: Bitcast) -> tor
     return wire
 
 
+# Elements per step of an in-place pass: bounds its temporaries (a mask, the
+# flipped keys) to a few MiB whatever the buffer's size.
+_CHUNK = 1 << 20
+
+
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    return list(t.split(_CHUNK)) if t.shape[0] > _CHUNK else [t]
+
+
 def encode_reduce(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
     """``buf`` in the form whose integer or float all-reduce ``op`` gives the
     result: bools as uint8 (max = any, min = all), float max/min as ordered keys,
-    float sums and products with -0.0 as +0.0, half precision in float32."""
+    float sums and products with -0.0 as +0.0, half precision in float32.
+
+    Consumes ``buf`` (a buffer of the caller's own): the result is ``buf``
+    itself, overwritten, wherever the width stays, so that a reduce of a large
+    buffer needs no second one."""
     if buf.dtype == torch.bool:
-        return buf.to(torch.uint8)
+        return buf.view(torch.uint8)  # (a bool is stored as the byte 0 or 1)
     if buf.dtype.is_floating_point:
         if op in ("max", "min"):
-            return encode_order(buf, op, bitcast)
+            keys = bitcast(buf, BITS[buf.dtype])
+            for k, x in zip(_chunks(keys), _chunks(buf), strict=True):
+                k.copy_(encode_order(x, op, bitcast))
+            return keys
         # + 0.0 turns -0.0 into +0.0 and changes nothing else. torch_xla's
         # collective token does exactly this to every input, so doing it on every
         # backend makes float sums and products bitwise the same everywhere.
-        return buf.to(ACCUMULATE.get(buf.dtype, buf.dtype)) + 0.0
+        wide = ACCUMULATE.get(buf.dtype, buf.dtype)
+        return (buf if wide == buf.dtype else buf.to(wide)).add_(0.0)
     return buf
 
 
@@ -99,45 +116,42 @@ def decode_reduce(
     means: Sequence[tuple[int, int]] = (),
     world: int = 1,
 ) -> torch.Tensor:
-    """Inverse of :func:`encode_reduce` on the reduced tensor. The elements in
-    the ranges ``means`` (``(start, stop)``, of a float sum) are divided by
-    ``world`` before the result is rounded to ``dtype``: a half-precision mean
-    is divided in float32 and rounded once. A NaN result is the quiet NaN
-    ``float("nan")``: engines differ in the sign and payload of the NaN an
-    operation makes, and results must not depend on the engine."""
+    """Inverse of :func:`encode_reduce` on the reduced tensor, which it
+    consumes as that does. The elements in the ranges ``means`` (``(start,
+    stop)``, of a float sum) are divided by ``world`` before the result is
+    rounded to ``dtype``: a half-precision mean is divided in float32 and
+    rounded once. A NaN result is the quiet NaN ``float("nan")``: engines
+    differ in the sign and payload of the NaN an operation makes, and results
+    must not depend on the engine."""
     if dtype == torch.bool:
         return out != 0
     if not dtype.is_floating_point:
         return out.to(dtype)
     if op in ("max", "min"):
-        out = decode_order(out, dtype, bitcast)
+        for k in _chunks(out):
+            k.copy_(_flip(k))
+        out = bitcast(out, dtype)
     else:
-        out = _divide(out, means, world).to(dtype)
-    return out.masked_fill(torch.isnan(out), float("nan"))
+        for start, stop in means:
+            out[start:stop].div_(world)
+        out = out.to(dtype)
+    return out.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("-inf"))
 
 
-def _divide(out: torch.Tensor, ranges: Sequence[tuple[int, int]], world: int) -> torch.Tensor:
-    if not ranges:
-        return out
-    if list(ranges) == [(0, out.shape[0])]:
-        return out / world
-    pieces, at = [], 0
-    for start, stop in ranges:
-        pieces += [out[at:start], out[start:stop] / world]
-        at = stop
-    return torch.cat([*pieces, out[at:]])
+def _flip(bits: torch.Tensor) -> torch.Tensor:
+    """Negative floats sort backwards as two's complement integers: their
+    magnitude bits flipped, keys sort like values (-0.0 just below +0.0). Its
+    own inverse."""
+    return torch.where(bits < 0, bits ^ MAGNITUDE[bits.dtype], bits)
 
 
 def encode_order(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
     """Float ``buf`` as integer keys whose integer ``op`` ("max"/"min") is the
     float op with NaN propagating."""
     bits = bitcast(buf, BITS[buf.dtype]).masked_fill(torch.isnan(buf), WINNING_NAN[buf.dtype, op])
-    # Negative floats sort backwards as two's complement integers: flip their
-    # magnitude bits so that keys sort like values (-0.0 just below +0.0).
-    return torch.where(bits < 0, bits ^ MAGNITUDE[bits.dtype], bits)
+    return _flip(bits)
 
 
 def decode_order(keys: torch.Tensor, dtype: torch.dtype, bitcast: Bitcast) -> torch.Tensor:
     """Inverse of :func:`encode_order`."""
-    bits = torch.where(keys < 0, keys ^ MAGNITUDE[keys.dtype], keys)
-    return bitcast(bits, dtype)
+    return bitcast(_flip(keys), dtype)

@@ -4,7 +4,8 @@
   ``world_size``, ``all_gather``, ``all_reduce``, ``broadcast``, ``wait``,
   ``sync``, ``to_host`` and ``exchange`` (a small gather run on its own).
 * :class:`Kernels`: how packed buffers are built and cut on the engine's
-  device: ``pack``, ``unpack``, ``split`` and ``bitcast``. The torch
+  device: ``join`` and ``unjoin`` (a move's one buffer), ``pack``,
+  ``encode_reduce`` and ``decode_reduce`` (a reduce's), ``split`` and ``bitcast``. The torch
   implementation here serves every device; the XLA backend has its own, made of
   XLA computations (one graph node each instead of a torch call per leaf), and a
   test checks that both give the same bits.
@@ -38,32 +39,12 @@ class Kernels:
         self,
         parts: Sequence[Sequence[torch.Tensor]],
         shapes: Sequence[Sequence[tuple[int, ...]]],
-        encode: bool,
         header: int | None = None,
     ) -> list[torch.Tensor]:
         """For each bucket, its ``parts`` (of ``shapes``) flattened and joined
-        into one new 1-d tensor; with ``encode``, in the form that moves it bit
-        for bit (:func:`xcoll._wire.encode_move`). ``header``: the first
-        bucket's first part is the guard's header, and this its total size."""
-        joined = [_pack.concat(p, header if k == 0 else None) for k, p in enumerate(parts)]
-        return [_wire.encode_move(j, self.bitcast) for j in joined] if encode else joined
-
-    def unpack(
-        self,
-        results: Sequence[torch.Tensor],
-        dtypes: Sequence[torch.dtype],
-        sizes: Sequence[Sequence[int]],
-        world: int | None,
-    ) -> list[torch.Tensor]:
-        """Inverse of ``pack(..., encode=True)`` on the collectives' results:
-        each decoded to its bucket's dtype, 1-d. With ``world`` (a gather's
-        ``(world * size,)`` results) each slot's ``(world, size)`` block is made
-        contiguous (:func:`xcoll._pack.slot_major`)."""
-        out = []
-        for r, dtype, n in zip(results, dtypes, sizes, strict=True):
-            r = _wire.decode_move(r, dtype, self.bitcast)
-            out.append(_pack.slot_major(r.view(world, -1), n) if world else r)
-        return out
+        into one new 1-d tensor. ``header``: the first bucket's first part is
+        the guard's header, and this its total size."""
+        return [_pack.concat(p, header if k == 0 else None) for k, p in enumerate(parts)]
 
     def join(self, segments: Sequence[Sequence[torch.Tensor]], joined: _pack.Joined) -> torch.Tensor:
         """A move's segments (the header's part, then each live bucket's parts,
@@ -73,29 +54,32 @@ class Kernels:
         out = torch.empty(joined.words, dtype=torch.int32, device=segments[0][0].device)
         raw = out.view(torch.uint8)
         at = 0
-        for parts, dtype, n in zip(segments, joined.dtypes, joined.nbytes, strict=True):
+        for parts, dtype, n, padded in zip(
+            segments, joined.dtypes, joined.nbytes, joined.padded, strict=True
+        ):
             _pack.fill(raw[at : at + n].view(dtype), parts)
-            at += n
-        raw[at:].zero_()
+            raw[at + n : at + padded].zero_()
+            at += padded
         return out
 
     def unjoin(
-        self, result: torch.Tensor, joined: _pack.Joined, world: int | None, wire: bool
+        self, result: torch.Tensor, joined: _pack.Joined, world: int | None, wire: bool = False
     ) -> list[torch.Tensor]:
         """Inverse of :meth:`join` on the collective's result: each segment
         1-d, as its dtype (with ``wire``, as its integer wire form, for
         :func:`xcoll._wire.decode_move` after a download). With ``world`` (a
         gather's ``(world * words,)`` result) each slot's ``(world, size)``
-        block is contiguous, as :meth:`unpack` makes it."""
+        block is contiguous, in slot order (:func:`xcoll._pack.slot_major`):
+        a gathered leaf is then one reshape away."""
         raw = result.view(torch.uint8)
         w = world or 1
         if w > 1:
             raw = _pack.slot_major(raw.view(w, -1), joined.byte_sizes)
         out, at = [], 0
-        for dtype, n in zip(joined.dtypes, joined.nbytes, strict=True):
+        for dtype, n, padded in zip(joined.dtypes, joined.nbytes, joined.padded, strict=True):
             seg = raw[at : at + w * n].view(_wire.wire_dtype(dtype))
             out.append(seg if wire else _wire.decode_move(seg, dtype, self.bitcast))
-            at += w * n
+            at += w * padded
         return out
 
     def encode_reduce(

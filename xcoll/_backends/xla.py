@@ -131,7 +131,7 @@ def _bytes(op):
     t = op.shape().dtype
     if t == xb.Type.U8:
         return op
-    if t in (xb.Type.S8, xb.Type.PRED):
+    if t == xb.Type.S8:
         return op.bitcast(xb.Type.U8)
     n = op.shape().sizes[0]
     raw = op.bitcast(xb.Type.U8)  # (n, itemsize)
@@ -139,13 +139,14 @@ def _bytes(op):
 
 
 def _typed(raw, dtype: torch.dtype):
-    """Inverse of :func:`_bytes` for a 1-d ``raw`` of u8 and an integer ``dtype``."""
+    """Inverse of :func:`_bytes` for each row of a 2-d ``raw`` of u8 and an
+    integer ``dtype``."""
     if dtype == torch.uint8:
         return raw
     if dtype.itemsize == 1:
         return raw.bitcast(_XLA_TYPES[dtype])
-    n = raw.shape().sizes[0] // dtype.itemsize
-    return raw.reshape([n, dtype.itemsize]).bitcast(_XLA_TYPES[dtype])
+    w, n = raw.shape().sizes
+    return raw.reshape([w, n // dtype.itemsize, dtype.itemsize]).bitcast(_XLA_TYPES[dtype])
 
 
 def _encode_reduce(op, dtype: torch.dtype, how: str):
@@ -224,25 +225,25 @@ class XlaKernels(Kernels):
 
         return _apply("bitcast", ("bitcast", tuple(t.shape), t.dtype, dtype), build, [t])[0]
 
-    def pack(self, parts, shapes, encode, header=None):
+    def pack(self, parts, shapes, header=None):
         dtypes = [p[0].dtype for p in parts]
         flat = [t for p in parts for t in p]
 
         def build():
             def pack(*params):
-                wires, at = [], 0
+                joined, at = [], 0
                 for dtype, bucket_shapes in zip(dtypes, shapes, strict=True):
                     ops = params[at : at + len(bucket_shapes)]
                     at += len(bucket_shapes)
                     # Bits become integers before the join: XLA:CPU may
                     # canonicalise NaN payloads when it copies floats (bfloat16).
                     wire = _join([_encode(q, dtype) for q in ops], bucket_shapes)
-                    wires.append(wire if encode else _decode(wire, dtype))
-                return xb.Op.tuple(wires)
+                    joined.append(_decode(wire, dtype))
+                return xb.Op.tuple(joined)
 
             return xb.create_computation("xcoll_pack", pack, [xb.tensor_shape(t) for t in flat])
 
-        key = ("pack", encode, tuple(dtypes), tuple(tuple(s) for s in shapes))
+        key = ("pack", tuple(dtypes), tuple(tuple(s) for s in shapes))
         return _apply("pack", key, build, flat)
 
     def join(self, segments, joined):
@@ -252,16 +253,19 @@ class XlaKernels(Kernels):
 
         def build():
             def join(*params):
-                pieces, at = [], 0
-                for dtype, k in zip(joined.dtypes, counts, strict=True):
-                    for q in params[at : at + k]:
-                        wire = _encode(q, dtype)
-                        pieces.append(_bytes(wire.reshape([_pack.numel(wire.shape().sizes)])))
+                raw, at = [], 0
+                for dtype, k, n, padded in zip(
+                    joined.dtypes, counts, joined.nbytes, joined.padded, strict=True
+                ):
+                    # joined in the wire dtype, then seen as bytes once per segment
+                    wire = [_encode(q, dtype) for q in params[at : at + k]]
                     at += k
-                if joined.pad:
-                    zero = xb.Op.scalar(params[0].builder(), 0, dtype=xb.Type.U8)
-                    pieces.append(zero.broadcast([joined.pad]))
-                raw = xb.Op.concat_in_dim(pieces, 0) if len(pieces) > 1 else pieces[0]
+                    segment = _bytes(_join(wire, [q.shape().sizes for q in wire]))
+                    if padded > n:
+                        zero = xb.Op.scalar(params[0].builder(), 0, dtype=xb.Type.U8)
+                        segment = xb.Op.concat_in_dim([segment, zero.broadcast([padded - n])], 0)
+                    raw.append(segment)
+                raw = xb.Op.concat_in_dim(raw, 0) if len(raw) > 1 else raw[0]
                 return xb.Op.tuple([raw.reshape([joined.words, 4]).bitcast(xb.Type.S32)])
 
             return xb.create_computation("xcoll_join", join, [xb.tensor_shape(t) for t in flat])
@@ -269,44 +273,31 @@ class XlaKernels(Kernels):
         key = ("join", joined, tuple(tuple(t.shape) for t in flat), tuple(t.dtype for t in flat))
         return _apply("join", key, build, flat)[0]
 
-    def unjoin(self, result, joined, world, wire):
+    def unjoin(self, result, joined, world, wire=False):
         w = world or 1
 
         def build():
             def unjoin(p):
-                raw = p.reshape([w, joined.words]).bitcast(xb.Type.U8)  # (w, words, 4)
-                if w > 1:
-                    raw = _slot_major(raw.reshape([w, 4 * joined.words]), w, joined.byte_sizes)
-                else:
-                    raw = raw.reshape([4 * joined.words])
-                out, at = [], 0
-                for dtype, n in zip(joined.dtypes, joined.nbytes, strict=True):
-                    seg = _typed(raw.slice_in_dim(at, at + w * n, 0), _wire.wire_dtype(dtype))
+                rows = p.reshape([w, joined.words])
+                out, col = [], 0
+                for dtype, sizes, n, padded in zip(
+                    joined.dtypes, joined.sizes, joined.nbytes, joined.padded, strict=True
+                ):
+                    # cut out as whole words, reinterpreted, regrouped in its dtype
+                    words = rows.slice_in_dim(col, col + padded // 4, 1)
+                    col += padded // 4
+                    raw = words.bitcast(xb.Type.U8).reshape([w, padded]).slice_in_dim(0, n, 1)
+                    typed = _typed(raw, _wire.wire_dtype(dtype))  # (w, elements)
+                    if w > 1:
+                        seg = _slot_major(typed, w, sizes)
+                    else:
+                        seg = typed.reshape([typed.shape().sizes[1]])
                     out.append(seg if wire else _decode(seg, dtype))
-                    at += w * n
                 return xb.Op.tuple(out)
 
             return xb.create_computation("xcoll_unjoin", unjoin, [xb.tensor_shape(result)])
 
         return _apply("unjoin", ("unjoin", joined, w, wire), build, [result])
-
-    def unpack(self, results, dtypes, sizes, world):
-        def build():
-            def unpack(*params):
-                out = []
-                for p, dtype, n in zip(params, dtypes, sizes, strict=True):
-                    # regrouped as integers, decoded last (as in pack)
-                    if world and world > 1:  # each slot's (W, size) block made contiguous
-                        p = _slot_major(p.reshape([world, sum(n)]), world, n)
-                    out.append(_decode(p, dtype))
-                return xb.Op.tuple(out)
-
-            return xb.create_computation(
-                "xcoll_unpack", unpack, [xb.tensor_shape(r) for r in results]
-            )
-
-        key = ("unpack", tuple(dtypes), tuple(tuple(n) for n in sizes), world)
-        return _apply("unpack", key, build, results)
 
     def encode_reduce(self, bufs, ops):
         dtypes = [b.dtype for b in bufs]
