@@ -25,9 +25,9 @@ _MAX_DIMS = 8
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    out = t.new_zeros(*t.shape[:dim], size, *t.shape[dim + 1 :])
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
-    return out
+    """``t`` cut or padded with zeros to ``size`` along ``dim`` (one torch call:
+    a gather of hundreds of leaves makes one per leaf)."""
+    return torch.constant_pad_nd(t, [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]], 0)
 
 
 def growing_dims(flat: _tree.Flat, dim: int) -> dict[int, int]:
@@ -107,7 +107,7 @@ class UnevenGather(_call.Op):
         # waiting in a gather it never joins.
         payload = {
             "data": [
-                transport.upload(_pad(host[i].narrow(dims[i], 0, min(n, target)), dims[i], target))
+                transport.upload(host[i] if n == target else _pad(host[i], dims[i], target))
                 for i, n in zip(idx, local, strict=True)
             ],
             "scalars": [flat.leaves[i] for i in flat.scalars],
@@ -123,15 +123,14 @@ class UnevenGather(_call.Op):
 
         out, scalars = [], iter(got["scalars"])
         position = {i: j for j, i in enumerate(idx)}
+        counts = sizes.tolist()
         for i, leaf in enumerate(flat.leaves):
             if not isinstance(leaf, torch.Tensor):
                 out.append(next(scalars))
                 continue
             j = position[i]
             padded = got["data"][j]  # (W, *padded shape)
-            pieces = [
-                padded[r].narrow(dims[i], 0, int(sizes[r, j])) for r in range(padded.shape[0])
-            ]
+            pieces = [padded[r].narrow(dims[i], 0, n[j]) for r, n in enumerate(counts)]
             t = torch.cat(pieces, dims[i])
             out.append(t if to_cpu else transport.upload(t))
         return flat.unflatten(out)
@@ -140,31 +139,30 @@ class UnevenGather(_call.Op):
 def _shapes(idx, host) -> torch.Tensor:
     """Each leaf's ``[ndim, *shape]`` in a fixed number of slots, so that the
     exchange has the same size on every replica even where shapes disagree."""
-    rows = torch.full((len(idx), 1 + _MAX_DIMS), -1, dtype=torch.int64)
-    for j, i in enumerate(idx):
-        nd = host[i].dim()
-        rows[j, 0] = nd
-        rows[j, 1 : 1 + nd] = torch.tensor(host[i].shape)
-    return rows.reshape(-1)
+    rows = [[host[i].dim(), *host[i].shape, *[-1] * (_MAX_DIMS - host[i].dim())] for i in idx]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1)
 
 
 def _check_shapes(flat, idx, dims, every: torch.Tensor) -> torch.Tensor:
     """Every rank's size of each leaf along its dim, ``(W, leaves)``. Raises, on
-    every replica alike (they all see the same shapes), if anything else differs."""
+    every replica alike (they all see the same shapes), if anything else
+    differs: for the first such leaf, naming the first rank whose shape
+    differs from rank 0's."""
     every = every.reshape(every.shape[0], len(idx), 1 + _MAX_DIMS)
-    sizes = torch.zeros(every.shape[0], len(idx), dtype=torch.int64)
-    for j, i in enumerate(idx):
-        rows = every[:, j].clone()
-        sizes[:, j] = rows[:, 1 + dims[i]]
-        rows[:, 1 + dims[i]] = 0
-        differs = (rows != rows[0]).any(1).nonzero().flatten().tolist()
-        if differs:
-            r = differs[0]
-            raise ValueError(
-                f"{flat.path(i)}: an uneven gather along dim {dims[i]} needs the same other "
-                f"dims on every replica; rank 0 has shape {_shape(every[0, j])}, "
-                f"rank {r} has {_shape(every[r, j])}"
-            )
+    leaves = torch.arange(len(idx))
+    grows = torch.tensor([1 + dims[i] for i in idx], dtype=torch.int64)
+    sizes = every[:, leaves, grows]
+    others = every.clone()
+    others[:, leaves, grows] = 0
+    differs = (others != others[:1]).any(2).t().nonzero()  # (leaf, rank), leaf-major
+    if len(differs):
+        j, r = differs[0].tolist()
+        i = idx[j]
+        raise ValueError(
+            f"{flat.path(i)}: an uneven gather along dim {dims[i]} needs the same other "
+            f"dims on every replica; rank 0 has shape {_shape(every[0, j])}, "
+            f"rank {r} has {_shape(every[r, j])}"
+        )
     return sizes
 
 
