@@ -94,10 +94,16 @@ class UnevenGather(_call.Op):
         host = dict(zip(idx, transport.to_host([flat.leaves[i] for i in idx]), strict=True))
         local = [host[i].shape[dims[i]] for i in idx]
 
+        scalars = [flat.leaves[i] for i in flat.scalars]
         if self.max_size is None:
-            shapes = transport.upload(_shapes(idx, host))
-            every = _call.run(_STACKED, shapes, transport, to_cpu=True, signature=signature)
-            sizes = _check_shapes(flat, idx, dims, every)
+            # (the scalars travel with the shapes: that gather carries the guard)
+            exchange = {"shapes": transport.upload(_shapes(idx, host)), "scalars": scalars}
+            got = _call.run(_STACKED, exchange, transport, to_cpu=True, signature=signature)
+            sizes = _check_shapes(flat, idx, dims, got["shapes"])
+            scalars = got["scalars"]
+            if not transport.lazy:
+                data = _exact(idx, dims, host, sizes, transport, to_cpu)
+                return _output(flat, idx, data, scalars)
             target = _pack.size_bucket(int(sizes.max())) if idx else 0
         else:
             target = self.max_size
@@ -110,30 +116,87 @@ class UnevenGather(_call.Op):
                 transport.upload(host[i] if n == target else _pad(host[i], dims[i], target))
                 for i, n in zip(idx, local, strict=True)
             ],
-            "scalars": [flat.leaves[i] for i in flat.scalars],
         }
         if self.max_size is not None:
             payload["sizes"] = transport.upload(torch.tensor(local, dtype=torch.int64))
+            payload["scalars"] = scalars
         # (with max_size, the data carries the guard; else the shapes did)
         first = signature if self.max_size is not None else None
         got = _call.run(_STACKED, payload, transport, to_cpu=True, signature=first)
         if self.max_size is not None:
             sizes = got["sizes"]
             _check_max_size(flat, idx, dims, sizes, self.max_size)
-
-        out, scalars = [], iter(got["scalars"])
-        position = {i: j for j, i in enumerate(idx)}
+            scalars = got["scalars"]
         counts = sizes.tolist()
-        for i, leaf in enumerate(flat.leaves):
-            if not isinstance(leaf, torch.Tensor):
-                out.append(next(scalars))
-                continue
-            j = position[i]
-            padded = got["data"][j]  # (W, *padded shape)
-            pieces = [padded[r].narrow(dims[i], 0, n[j]) for r, n in enumerate(counts)]
-            t = torch.cat(pieces, dims[i])
-            out.append(t if to_cpu else transport.upload(t))
-        return flat.unflatten(out)
+        data = []
+        for i, padded in zip(idx, got["data"], strict=True):  # (W, *padded shape)
+            j = len(data)
+            t = torch.cat([padded[r].narrow(dims[i], 0, n[j]) for r, n in enumerate(counts)], dims[i])
+            data.append(t if to_cpu else transport.upload(t))
+        return _output(flat, idx, data, scalars)
+
+
+def _output(flat, idx, data, scalars):
+    """The output tree from the gathered tensor leaves (in ``idx`` order) and
+    the gathered Python scalars."""
+    out = [None] * len(flat.leaves)
+    for i, t in zip(idx, data, strict=True):
+        out[i] = t
+    for i, values in zip(flat.scalars, scalars, strict=True):
+        out[i] = values
+    return flat.unflatten(out)
+
+
+def _exact(idx, dims, host, sizes, transport, to_cpu) -> list[torch.Tensor]:
+    """An eager engine's uneven gather once every replica's ``sizes`` are
+    known (``(W, leaves)``): each replica sends its leaves' exact bytes (its
+    growing dim first), padded only at the end to the largest replica's total,
+    and the result is regrouped leaf by leaf in rank order by one index per
+    dtype, so that each output is a view. The offsets are computed with a few
+    torch ops per dtype, not per leaf and replica. Eager engines only: on XLA
+    the sizes would be in the program."""
+    rows = [host[i].movedim(dims[i], 0) if dims[i] else host[i] for i in idx]
+    groups: dict[torch.dtype, list[int]] = {}
+    for j in sorted(range(len(rows)), key=lambda j: -rows[j].dtype.itemsize):
+        groups.setdefault(rows[j].dtype, []).append(j)  # (aligned: element sizes descending)
+    w, me = sizes.shape[0], transport.rank()
+    per_row = torch.tensor([_pack.numel(tuple(r.shape[1:])) for r in rows], dtype=torch.int64)
+    elements = sizes * per_row  # (W, leaves)
+    segments = []  # per dtype: its leaves' elements and every replica's start byte
+    at = torch.zeros(w, dtype=torch.int64)
+    for dtype, js in groups.items():
+        e = elements[:, js]
+        segments.append((dtype, js, e, at))
+        nbytes = e.sum(1) * dtype.itemsize
+        at = at + nbytes + (-nbytes) % 8
+    width = max(int(at.max()) if w else 0, 8)
+    buf = torch.zeros(width, dtype=torch.uint8, device=transport.device)
+    for dtype, js, e, start in segments:
+        a, n = int(start[me]), int(e[me].sum()) * dtype.itemsize
+        _pack.fill(buf[a : a + n].view(dtype), [rows[j] for j in js])
+    every = transport.all_gather(buf)
+    transport.wait()
+    if to_cpu:
+        every = transport.to_host([every])[0]
+    ranks = torch.arange(w, dtype=torch.int64)
+    totals = sizes.sum(0).tolist()
+    data: list = [None] * len(rows)
+    for dtype, js, e, start in segments:
+        k = dtype.itemsize
+        inner = e.cumsum(1) - e
+        begin = ((ranks * width + start) // k)[:, None] + inner  # (W, leaves of the dtype)
+        length = e.t().reshape(-1)  # leaf-major, rank-minor: each leaf's pieces in rank order
+        first = begin.t().reshape(-1) - (length.cumsum(0) - length)
+        index = torch.repeat_interleave(first, length)
+        index += torch.arange(index.shape[0])
+        flat = every.view(torch.uint8 if dtype == torch.bool else dtype)
+        grouped = flat.index_select(0, index.to(every.device))
+        if dtype == torch.bool:
+            grouped = grouped != 0
+        shapes = [(totals[j], *rows[j].shape[1:]) for j in js]
+        for j, t in zip(js, _pack.split(grouped, shapes), strict=True):
+            data[j] = t.movedim(0, dims[idx[j]]).contiguous() if dims[idx[j]] else t
+    return data
 
 
 def _shapes(idx, host) -> torch.Tensor:
