@@ -38,18 +38,27 @@ def _targets(cells: list[dict], n: int = 256) -> list[str]:
                 f"| {ours['backend']} {op}: {ours['method']} at least {factor:g}x faster than "
                 f"{theirs['method']} | {ratio:.1f}x | {'yes' if ratio >= factor else '**no**'} |"
             )
-    ours = _find(cells, "XLA", "gather", "xcoll", n)
-    ideal = _find(cells, "XLA", "gather", "(d)", n)
+    def target(what: str, value: float, met: bool, fmt: str = "{:.1f}x") -> None:
+        rows.append(f"| {what} | {fmt.format(value)} | {'yes' if met else '**no**'} |")
+
+    for backend, most in (("XLA:CPU W=4", 3.0), ("XLA:CPU W=1", 2.0)):
+        ours = _find(cells, backend, "gather", "xcoll.gather(to_cpu", n)
+        ideal = _find(cells, backend, "gather", "(d)", n)
+        if ours and ideal:
+            ratio = ours["median_ms"] / ideal["median_ms"]
+            target(f"{backend} gather: {ours['method']} at most {most:g}x the ideal (d)", ratio, ratio <= most)
+            for key in ("executions", "collectives"):
+                target(f"{backend} gather: one {key[:-1]} per replica per call", ours[key], ours[key] == 1, "{:g}")
+    ours = _find(cells, "gloo", "gather", "xcoll", n)
+    ideal = _find(cells, "gloo", "gather", "ideal", n)
     if ours and ideal:
         ratio = ours["median_ms"] / ideal["median_ms"]
-        rows.append(
-            f"| {ours['backend']} gather: {ours['method']} under 3x the ideal (d) | {ratio:.1f}x "
-            f"| {'yes' if ratio < 3 else '**no**'} |"
-        )
-        rows.append(
-            f"| {ours['backend']} gather: one execution per replica per call | "
-            f"{ours['executions']:g} | {'yes' if ours['executions'] == 1 else '**no**'} |"
-        )
+        target(f"{ours['backend']} gather: xcoll.gather at most 1.5x the ideal", ratio, ratio <= 1.5)
+        target(f"{ours['backend']} gather: one collective per call", ours["collectives"], ours["collectives"] == 1, "{:g}")
+    uneven = _find(cells, "gloo", "uneven gather", "xcoll", n)
+    if ours and uneven:
+        ratio = uneven["median_ms"] / ours["median_ms"]
+        target(f"{ours['backend']} uneven gather: at most 2x the even xcoll.gather", ratio, ratio <= 2)
     return rows
 
 
@@ -81,6 +90,12 @@ def markdown(results: dict) -> str:
     rows = _targets(cells)
     if rows:
         out += ["## Targets at 256 leaves", "", "| target | measured | met |", "|---|---:|---|"]
+        memory = results.get("memory", [])
+        out += [
+            f"| gloo W={m['world']} {m['op']} of a {m['mib']} MiB leaf: peak memory at most 1.15x "
+            f"torch.distributed's | {m['ratio']:.2f}x | {'yes' if m['ratio'] <= 1.15 else '**no**'} |"
+            for m in memory
+        ]
         out += rows + ["", _analysis(cells), ""]  # (the analysis is of those cells)
     for (backend, op), panel in _panels(cells).items():
         xla = backend.startswith("XLA")
@@ -105,7 +120,33 @@ def markdown(results: dict) -> str:
                 row += f" {c['collectives']:g} |"
             out.append(row)
         out.append("")
+    out += _memory(results.get("memory", []))
     return "\n".join(out)
+
+
+def _memory(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    from bench.memory import DIRECT
+
+    r0 = rows[0]
+    out = [
+        f"## gloo W={r0['world']}: peak memory for one float32 leaf of {r0['mib']} MiB",
+        "",
+        "The rise of rank 0's peak resident size during one call, above the leaf itself, "
+        "each cell in fresh processes (`bench/memory.py`). The peer is the same operation "
+        "done directly with torch.distributed into a new tensor (gather: "
+        "`all_gather_into_tensor`; reduce: `clone` + `all_reduce`; broadcast: `clone` on "
+        "src, `empty_like` elsewhere + `broadcast`). gloo's all-gather copies its result "
+        "through a buffer of its own, so the direct gather's peak is twice its output.",
+        "",
+        f"| op | xcoll GiB | {DIRECT} GiB | xcoll / direct | at most 1.15x |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        met = "yes" if r["ratio"] <= 1.15 else "**no**"
+        out.append(f"| {r['op']} | {r['xcoll']:.2f} | {r[DIRECT]:.2f} | {r['ratio']:.2f} | {met} |")
+    return out + [""]
 
 
 def main() -> None:
@@ -154,50 +195,45 @@ def plot(results: dict, path: Path) -> None:
 
 
 def _analysis(cells: list[dict], n: int = 256) -> str:
-    """Why the ideal stays ahead: this run's cells, and the profile of one
-    replica measured on 2026-11-29 on the 2-core development machine."""
+    """Why the ideal stays ahead on XLA:CPU: this run's cells."""
 
-    def ms(op: str, method: str) -> str:
-        c = _find(cells, "XLA", op, method, n)
+    def ms(backend: str, op: str, method: str) -> str:
+        c = _find(cells, backend, op, method, n)
         return f"{c['median_ms']:.2f} ms" if c else "(not measured)"
 
+    w4, w1 = "XLA:CPU W=4", "XLA:CPU W=1"
     return f"""
-## Why xcoll.gather(to_cpu=True) stays above 3x the ideal at {n} leaves
+## Why xcoll.gather(to_cpu=True) stays above the ideal on XLA:CPU at {n} leaves
 
 The ideal (d) gathers one buffer that was packed before the timer started: per
 call it makes about six torch/XLA calls on each replica. xcoll has {n} separate
 device tensors to pack, in 3 dtypes, and {n} host tensors to make.
 
 * **Packing alone costs a multiple of the ideal.** The floor (e) runs only
-  xcoll.gather's packing (one XLA node for all dtypes) and one all-gather per
-  dtype: {ms("gather", "(e)")} against {ms("gather", "(d)")} for (d) in this run (W=4),
-  and xcoll.gather(to_cpu=True) {ms("gather", "xcoll.gather(to_cpu")}. No method that
-  starts from separate leaves does less than (e).
-* **One replica alone** (`python -m bench.profile`, W=1, so no thread competes;
-  two runs on 2026-11-29): xcoll 1.28 and 1.54 ms, floor 0.57 and 0.58 ms, ideal
-  0.32 and 0.35 ms per call at 256 leaves. Of xcoll's extra, cProfile puts 0.31 ms in making the 256 output
-  tensors on the host (one `_unflatten_dense_tensors` call per dtype: about
-  1.2 us per view), 0.13 ms in building the tree's signature (the key of the
-  cached checks and plans), 0.08 ms in optree's flatten and 0.07 ms in the cache
-  lookups.
-* **At W=4 those costs multiply.** XLA:CPU runs the 4 replicas as threads of one
-  process, on 2 cores here: every torch call can hand the GIL to another replica,
-  and getting it back costs far more than the call (a `Tensor.view` took 37 us at
-  W=4 against 1.3 us alone). The optimisation that mattered was making fewer
-  calls, not less work: per-leaf reshapes and views were replaced by one XLA
-  computation to pack all buckets of a move, one to unpack them, one host call
-  to split each dtype's buffer, and plans cached per tree signature. In order,
-  gather to the host at 256 float32 leaves went 31.0 -> 10.1 -> 8.5 -> 5.2-5.7 ms
-  over this work (the last step measured on the mixed tree used here).
-* **The same cell varies from run to run** with 4 replica threads on 2 cores:
-  separate runs of xcoll.gather(to_cpu=True) at 256 leaves measured 5.2, 5.7, 7.0,
-  8.5, 8.7 and 11.8 ms on 2026-11-29, while (d) stayed between 0.87 and 1.35 ms. A
-  process per replica (TPU v4 and later, GPUs) has no GIL to share; there, the
-  single-replica ratios above (about 4x the ideal, 2-3x the floor) are the
+  xcoll.gather's packing (one XLA computation that joins every leaf's bytes into
+  one buffer) and its one all-gather: {ms(w4, "gather", "(e)")} against
+  {ms(w4, "gather", "(d)")} for (d) at W=4, {ms(w1, "gather", "(e)")} against
+  {ms(w1, "gather", "(d)")} at W=1. Every leaf is a parameter of the executed
+  graph, and torch_xla's cost per parameter (about 1.3 us per leaf at W=1,
+  measured with 8 and with 256 leaves) is what (d) does not pay. No method that
+  starts from separate leaves does less than (e), and (e) alone is above 2x (d).
+* **One replica alone** (W=1): xcoll {ms(w1, "gather", "xcoll.gather(to_cpu")}. Above
+  the floor: making the {n} host tensors (one `_unflatten_dense_tensors` call per
+  dtype, about 1.2 us per view), the tree's signature (the key of the cached
+  checks and plans), optree's flatten and the cache lookups, about 0.8 ms in
+  all (`python -m bench.profile` shows where).
+* **At W=4 those costs add up.** XLA:CPU runs the 4 replicas as threads of one
+  process, on 2 cores here: the replicas' Python work runs one at a time under
+  the GIL, so a call costs about the floor plus 4 times one replica's host
+  work: xcoll {ms(w4, "gather", "xcoll.gather(to_cpu")}. A process per replica
+  (TPU v4 and later, GPUs) has no GIL to share; there, the W=1 ratio is the
   better guide.
+* **The same cell varies from run to run** with 4 replica threads on 2 cores
+  (on 2026-11-29, xcoll.gather(to_cpu=True) at 256 leaves measured between 5.2
+  and 11.8 ms in separate runs, while (d) stayed between 0.87 and 1.35 ms).
 
-Device outputs cost more than host outputs at many leaves ({ms("gather", "xcoll.gather (device")}
-against {ms("gather", "xcoll.gather(to_cpu")} here): torch_xla makes one output buffer and
+Device outputs cost more than host outputs at many leaves ({ms(w4, "gather", "xcoll.gather (device")}
+against {ms(w4, "gather", "xcoll.gather(to_cpu")} here): torch_xla makes one output buffer and
 one tensor per leaf, on every replica, and XLA:CPU compiles such a graph slowly
 the first time (the first-call column). reduce and broadcast always return
 device tensors, so they pay this too.

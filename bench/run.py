@@ -2,13 +2,15 @@
 
     python -m bench [--quick] [--replicas 4] [--leaves 1 8 64 256 1024] [--out bench]
 
-On W XLA:CPU replicas (threads of one process) and on W gloo processes, for trees
+On W XLA:CPU replicas (threads of one process), on one (gathers only) and on W
+gloo processes, for trees
 of ``--leaves`` leaves of mixed dtypes and shapes (:mod:`bench.trees`), it
 times every method of :mod:`bench.xla` and :mod:`bench.gloo` (median seconds per
 call on rank 0, after warm-up) and counts per call and per replica: graph
 executions and compilations, collective ops traced, and device-to-host
 transfers (torch_xla's metrics), or process-group collectives (the torch
-profiler's ``gloo:`` events). It writes ``results.json``, ``results.md`` (the
+profiler's ``gloo:`` events); then the peak memory of one call on a leaf of 1
+GiB (:mod:`bench.memory`; 64 MiB with ``--quick``). It writes ``results.json``, ``results.md`` (the
 tables, with each peer's time over xcoll's) and ``results.png`` (time per call
 against leaves, log-log) to ``--out``.
 
@@ -142,8 +144,13 @@ def main(argv: list[str] | None = None) -> dict:
     w = a.replicas
     with XlaPool(w, timeout=1800) as pool:
         cells = _cells(runner, pool, f"XLA:CPU W={w}", xla.METHODS, _xla_cell, log, xla.counters)
+    with XlaPool(1, timeout=1800) as pool:  # one replica: no other thread wants the GIL
+        cells += _cells(runner, pool, "XLA:CPU W=1", xla.ALONE, _xla_cell, log, xla.counters)
     with GlooPool(w, timeout=1800) as pool:
         cells += _cells(runner, pool, f"gloo W={w}", gloo.METHODS, _gloo_cell, log)
+    from bench import memory
+
+    peaks = memory.measure(64 if a.quick else 1024, 2)
     import torch
 
     results = {
@@ -153,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": round(time.time() - started),
         "crashes": runner.crashes,
         "cells": cells,
+        "memory": peaks,
     }
     from bench import report
 

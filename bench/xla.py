@@ -146,11 +146,12 @@ def mesh_reduce_broadcast(tree: dict) -> Call:
 
 
 def pack_floor_gather(tree: dict) -> Call:
-    """xcoll.gather's own packing (its kernels' ``pack``: one XLA node for every
-    dtype's bucket, on the integer wire) and one all_gather per dtype, results
-    fetched in one transfer; no flattening, planning, unpacking or output
-    tensors. What is left of xcoll.gather(to_cpu=True) above this is the work per
-    call that these skip."""
+    """xcoll.gather's own packing (its kernels' ``join``: one XLA node that
+    joins every leaf's bytes into one buffer) and its one all_gather, the
+    result fetched in one transfer; no flattening, planning, guard, cutting or
+    output tensors. What is left of xcoll.gather(to_cpu=True) above this is
+    the work per call that these skip."""
+    from xcoll import _pack
     from xcoll._backends.xla import XlaTransport
 
     backend = XlaTransport(_device())
@@ -158,13 +159,13 @@ def pack_floor_gather(tree: dict) -> Call:
     for leaf in optree.tree_leaves(tree):
         by_dtype.setdefault(leaf.dtype, []).append(leaf)
     parts = list(by_dtype.values())
-    shapes = [tuple(tuple(t.shape) for t in ts) for ts in parts]
+    joined = _pack.Joined.of([p[0].dtype for p in parts], [[t.numel() for t in p] for p in parts], 0)
+    segments = [parts[k] for k in joined.order]
 
     def call():
-        wires = backend.kernels.pack(parts, shapes, encode=True)
-        out = [backend.all_gather(wire) for wire in wires]
+        out = backend.all_gather(backend.kernels.join(segments, joined))
         _sync()
-        return _fetch(out)
+        return _fetch([out])
 
     return call
 
@@ -207,7 +208,7 @@ METHODS: dict[str, dict[str, Callable[[dict], Call]]] = {
         "(a) accelerate XLA gather algorithm, pin_layout=False, one fetch": accelerate_gather,
         "(c) mesh_reduce + torch.cat per leaf, pin_layout=False, raw bytes": mesh_reduce_gather,
         "(d) ideal: one all_gather of a pre-packed buffer, one fetch": ideal_gather,
-        "(e) floor: xcoll's packing and one all_gather per dtype, one fetch": pack_floor_gather,
+        "(e) floor: xcoll's packing and its one all_gather, one fetch": pack_floor_gather,
     },
     "reduce": {
         "xcoll.reduce": ours.reduce,
@@ -219,6 +220,14 @@ METHODS: dict[str, dict[str, Callable[[dict], Call]]] = {
         "(c) accelerate XLA broadcast algorithm: mesh_reduce per leaf, pin_layout=False, raw bytes": mesh_reduce_broadcast,
         "(d) ideal: one all_reduce of a pre-packed buffer": ideal_reduce,
     },
+}
+
+
+#: What runs on one replica alone: xcoll's gather to the host, the ideal and the floor.
+ALONE = {
+    "gather": {
+        k: v for k, v in METHODS["gather"].items() if k.startswith(("xcoll.gather(to_cpu", "(d)", "(e)"))
+    }
 }
 
 

@@ -52,11 +52,15 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     cells = {(c["backend"], c["op"], c["method"], c["leaves"]): c for c in results["cells"]}
 
-    from bench import gloo, xla
+    from bench import gloo, memory, xla
 
     expected = {
         (backend, op, method, n)
-        for backend, methods in (("XLA:CPU W=4", xla.METHODS), ("gloo W=4", gloo.METHODS))
+        for backend, methods in (
+            ("XLA:CPU W=4", xla.METHODS),
+            ("XLA:CPU W=1", xla.ALONE),
+            ("gloo W=4", gloo.METHODS),
+        )
         for op in methods
         for method in methods[op]
         for n in (1, 8, 64)
@@ -72,30 +76,37 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     def count(backend, op, method, n, key="collectives"):
         return cells[(backend, op, method, n)][key]
 
-    # bench.trees mixes 3 dtypes: xcoll makes one collective per dtype and one
-    # execution per call; the per-leaf peers make one collective per leaf.
+    # bench.trees mixes 3 dtypes: xcoll makes one collective per move, one per
+    # dtype for a reduce, and one execution per call; the per-leaf peers make
+    # one collective per leaf.
     x, g = "XLA:CPU W=4", "gloo W=4"
-    for op, method in [
-        ("gather", "xcoll.gather(to_cpu=True)"),
-        ("gather", "xcoll.gather (device outputs)"),
-        ("reduce", "xcoll.reduce"),
-        ("broadcast", "xcoll.broadcast"),
+    for op, method, collectives in [
+        ("gather", "xcoll.gather(to_cpu=True)", 1),
+        ("gather", "xcoll.gather (device outputs)", 1),
+        ("reduce", "xcoll.reduce", 3),
+        ("broadcast", "xcoll.broadcast", 1),
     ]:
-        assert count(x, op, method, 64) == 3
+        assert count(x, op, method, 64) == collectives
         for n in (1, 8, 64):
             assert count(x, op, method, n, "executions") == 1
+    assert count("XLA:CPU W=1", "gather", "xcoll.gather(to_cpu=True)", 64) == 1
     assert count(x, "gather", "xcoll.gather(to_cpu=True)", 64, "transfers") == 1
     # device outputs: the guard's header is the one thing fetched
     assert count(x, "gather", "xcoll.gather (device outputs)", 64, "transfers") == 1
     assert count(x, "gather", next(m for m in xla.METHODS["gather"] if m.startswith("(a)")), 64) == 64
     assert count(x, "reduce", next(m for m in xla.METHODS["reduce"] if m.startswith("(b)")), 64, "executions") == 128
-    assert count(g, "gather", "xcoll.gather", 64) == 3
+    assert count(g, "gather", "xcoll.gather", 64) == 1
     assert count(g, "gather", "accelerate.utils.gather", 64) == 64
-    assert count(g, "uneven gather", "xcoll.gather(uneven=True)", 64) == 4  # shapes, then 3 dtypes
+    assert count(g, "uneven gather", "xcoll.gather(uneven=True)", 64) == 2  # shapes, then data
+    # the memory section: every op, both methods, a finite rise
+    assert [m["op"] for m in results["memory"]] == ["gather", "reduce", "broadcast"]
+    for m in results["memory"]:
+        assert m["mib"] == 64 and m["xcoll"] > 0 and m[memory.DIRECT] > 0
 
     report = (tmp_path / "results.md").read_text()
     for backend, op in {(b, o) for b, o, _, _ in expected}:
         assert f"## {backend}: {op}" in report
+    assert "peak memory for one float32 leaf of 64 MiB" in report
     png = (tmp_path / "results.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
