@@ -1,6 +1,7 @@
 """xcoll: pure-function, pytree-aware collectives for PyTorch/XLA.
 
-One call communicates a whole pytree: one packed collective per dtype, one sync.
+One call communicates a whole pytree: one packed collective per gather or
+broadcast (one per dtype and op for a reduce), one sync.
 
 >>> import torch, xcoll
 >>> xcoll.world_size()

@@ -8,12 +8,13 @@ the output leaf. :func:`call` is what a public function runs; :func:`run` is
 what xcoll's own modules run on trees they built themselves (no check: the
 public call that made them was checked).
 
-Pipeline of :func:`execute`: pack every live bucket (one kernel call; a
-reduce then encodes each bucket with a few torch ops), start one collective per
-bucket, wait once, unpack (one kernel call for a move; a few torch ops per
-bucket for a reduce), then cut into outputs: on the device with one kernel
-call, or on the host with a torch call per run of equal shapes after one fetch
-per call (``to_cpu``).
+Pipeline of :func:`execute`: a move (gather, broadcast) joins every live
+bucket's bytes into one buffer (one kernel call) and makes one collective; a
+reduce packs each bucket (one kernel call), encodes it in place and makes one
+collective per bucket. Then one wait, the buffers cut back into buckets (one
+kernel call), and into outputs: on the device with one kernel call, or on the
+host with a torch call per run of equal shapes after one fetch per call
+(``to_cpu``).
 """
 
 from __future__ import annotations

@@ -1,16 +1,19 @@
 """Uneven gathers: leaves whose size along ``dim`` differs between replicas.
 
-Collectives need the same shapes on every replica, and on XLA every distinct
-shape is a new compilation. So the leaves are padded to a shared size bucket (the
-next power of two of the largest size, or ``max_size``) and gathered as an even
-tree; the padding is cut off on the host. The pad and the cut happen on the host
-because their widths differ between replicas: traced into the graph they would
-give every replica a different program (and every size a new compilation).
+Calls without ``max_size`` first exchange every leaf's shape (and the tree's
+Python scalars), in one small gather for the whole tree. An eager engine then
+gathers every replica's exact bytes in one buffer and regroups them by leaf
+(:func:`_exact`).
 
-Calls without ``max_size`` first exchange every leaf's shape, in one small
-gather for the whole tree; with ``max_size`` the sizes travel with the data and
-the call is a single execution (plus one for the caller's pending work, if any,
-which runs first on its own).
+On XLA collectives need the same shapes on every replica, and every distinct
+shape is a new compilation. So the leaves are padded to a shared size bucket
+(the next power of two of the largest size, or ``max_size``) and gathered as an
+even tree; the padding is cut off on the host. The pad and the cut happen on the
+host because their widths differ between replicas: traced into the graph they
+would give every replica a different program (and every size a new
+compilation). With ``max_size`` the sizes travel with the data (on every
+engine) and the call is a single execution (plus one for the caller's pending
+work, if any, which runs first on its own).
 """
 
 from __future__ import annotations
@@ -91,7 +94,10 @@ class UnevenGather(_call.Op):
         # shapes that differ between replicas, and in the graph of a collective that
         # would give every replica a different program. (Nothing pending: no execution.)
         transport.sync()
-        host = dict(zip(idx, transport.to_host([flat.leaves[i] for i in idx]), strict=True))
+        if transport.lazy:  # (padded and cut on the host, below)
+            host = dict(zip(idx, transport.to_host([flat.leaves[i] for i in idx]), strict=True))
+        else:
+            host = {i: flat.leaves[i] for i in idx}
         local = [host[i].shape[dims[i]] for i in idx]
 
         scalars = [flat.leaves[i] for i in flat.scalars]
