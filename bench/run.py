@@ -15,7 +15,7 @@ tables, with each peer's time over xcoll's) and ``results.png`` (time per call
 against leaves, log-log) to ``--out``.
 
 ``--quick`` (1, 8 and 64 leaves, fewer repeats) checks that everything runs, in
-well under 3 minutes on a 2-core machine (about 40 s); its numbers are not the
+well under 3 minutes on a 2-core machine (about 70 s); its numbers are not the
 ones to quote, so it writes to a temporary directory unless ``--out`` is given.
 """
 
