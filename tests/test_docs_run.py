@@ -180,6 +180,7 @@ def test_every_python_block_of_the_readme_and_docs_runs_in_a_test():
         *blocks(DESIGN),
         test_launchers.snippet("xla"),
         test_launchers.snippet("torchrun"),
+        test_launchers.snippet("exit"),
         *(code for s in test_migration.SECTIONS.values() for _, code in s.values()),
     }
     docs = [README, *sorted((ROOT / "docs").glob("*.md"))]

@@ -5,6 +5,7 @@ processes; and what a user sees when a launch is set up wrong."""
 from __future__ import annotations
 
 import pathlib
+import textwrap
 
 from tests.helpers import XLA_CPU, run
 
@@ -13,7 +14,7 @@ DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "launchers.md"
 
 def snippet(name: str) -> str:
     text = DOC.read_text().split(f"<!-- launcher: {name} -->", 1)[1]
-    return text.split("```python\n", 1)[1].split("```", 1)[0]
+    return textwrap.dedent(text.split("```python\n", 1)[1].split("```", 1)[0])
 
 
 
@@ -244,3 +245,23 @@ def test_gloo_processes_exit_cleanly_after_a_caught_mismatch(tmp_path):
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.count("caught") == 2, result.stdout
+
+
+_ABORT = "terminate called without an active exception"
+
+
+def test_the_exit_abort_reproducer_runs_and_its_one_line_fix_exits_cleanly(tmp_path):
+    # docs/launchers.md: plain torch.distributed with optree imported may abort
+    # at exit (5 runs in 12); destroy_process_group is the fix it names
+    code = snippet("exit")
+    fixed = code.replace("# dist.destroy_process_group()  <- the one-line fix", "dist.destroy_process_group()")
+    assert fixed != code
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    result = run(script, {}, *torchrun)
+    assert result.returncode == 0 or _ABORT in result.stderr, result.stderr[-3000:]
+    script.write_text(fixed)
+    for _ in range(3):
+        result = run(script, {}, *torchrun)
+        assert result.returncode == 0, result.stderr[-3000:]
