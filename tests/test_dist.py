@@ -62,18 +62,6 @@ def _tensor_skeletons():
     )
 
 
-@PROPERTY
-@given(data=st.data())
-def test_same_values_as_accelerate(gloo, data):
-    skeleton = data.draw(_tensor_skeletons(), "skeleton")
-    # (same dict order on every rank: accelerate's per-leaf collectives follow it)
-    trees = data.draw(S.rank_trees(skeleton, gloo.world_size, exact=True, reorder=False), "trees")
-    for r, report in enumerate(gloo.run(_with_accelerate, trees)):
-        for what, (theirs, ours) in report.items():
-            equal = same_bits if what in ("gather", "broadcast") else same_values
-            assert_trees(ours, theirs, equal, f"rank {r}: {what}")
-
-
 def _alone(tree):
     """:func:`_with_accelerate` with every move's bucket of one tensor of 16
     bytes or more travelling alone (xcoll's threshold is 16 MiB), and no output
@@ -95,10 +83,12 @@ def _alone(tree):
 
 @PROPERTY
 @given(data=st.data())
-def test_leaves_that_travel_alone_give_accelerates_values(gloo, data):
+@pytest.mark.parametrize("run", [_with_accelerate, _alone], ids=["packed", "alone"])
+def test_same_values_as_accelerate(gloo, run, data):
     skeleton = data.draw(_tensor_skeletons(), "skeleton")
+    # (same dict order on every rank: accelerate's per-leaf collectives follow it)
     trees = data.draw(S.rank_trees(skeleton, gloo.world_size, exact=True, reorder=False), "trees")
-    for r, report in enumerate(gloo.run(_alone, trees)):
+    for r, report in enumerate(gloo.run(run, trees)):
         for what, (theirs, ours) in report.items():
             equal = same_bits if what in ("gather", "broadcast") else same_values
             assert_trees(ours, theirs, equal, f"rank {r}: {what}")
