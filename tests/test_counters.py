@@ -5,6 +5,7 @@ are buckets, one device-to-host transfer per packed buffer with to_cpu=True."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -117,11 +118,25 @@ CALLS = [
 ]
 
 
+def _settled(pool) -> dict:
+    """The pool's counters once they stop moving: torch_xla counts an execution
+    when it ends, on the device's thread, which can be just after the fetch
+    that waited for it has returned (seen: an execution of the setup's last
+    call counted in the next measurement, once in 4 full runs under load)."""
+    now = pool.run(counters)[0]
+    for _ in range(20):
+        time.sleep(0.05)
+        now, before = pool.run(counters)[0], now
+        if now == before:
+            break
+    return now
+
+
 def _delta(pool, fn, args=None, results=None):
     """The change in the pool's counters while every replica runs ``fn(args)``."""
-    before = pool.run(counters)[0]
+    before = _settled(pool)
     out = pool.run(fn, [args] * pool.world_size)
-    after = pool.run(counters)[0]
+    after = _settled(pool)
     if results is not None:
         results.extend(out)
     return {k: after[k] - before[k] for k in before}
