@@ -159,7 +159,7 @@ def pack_floor_gather(tree: dict) -> Call:
     for leaf in optree.tree_leaves(tree):
         by_dtype.setdefault(leaf.dtype, []).append(leaf)
     parts = list(by_dtype.values())
-    joined = _pack.Joined.of([p[0].dtype for p in parts], [[t.numel() for t in p] for p in parts], 0)
+    joined = _pack.Joined.of([p[0].dtype for p in parts], [[t.shape for t in p] for p in parts], 0)
     segments = [parts[k] for k in joined.order]
 
     def call():

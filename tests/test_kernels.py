@@ -60,7 +60,7 @@ def _both(case):
         pieces = kernels.split(flats, [[(world, *s) for s in b] for b in shapes])
         got["split"] = [[_as_int(kernels, t) for t in b] for b in pieces]
         # a move's one buffer: a header segment, then the buckets by element size
-        joined = _pack.Joined.of(dtypes, sizes, guard=4)
+        joined = _pack.Joined.of(dtypes, shapes, guard=4)
         header = torch.tensor([seed, 0, -1, 7], dtype=torch.int32).to(inputs[0][0].device)
         segments = [[header]] + [inputs[k] for k in joined.order]
         got["join"] = [_as_int(kernels, kernels.join(segments, joined))]

@@ -129,7 +129,10 @@ class Layout:
             rest = [j for j in range(len(live)) if j not in alone]
             join = (
                 _pack.Joined.of(
-                    [b[live[j]].dtype for j in rest], [sizes[live[j]] for j in rest], guard, rest
+                    [b[live[j]].dtype for j in rest],
+                    [part_shapes[live[j]] for j in rest],
+                    guard,
+                    rest,
                 )
                 if rest or guard
                 else None

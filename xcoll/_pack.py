@@ -210,29 +210,48 @@ class Joined:
 
     #: Positions in the call's list of live buckets, in byte order.
     order: tuple[int, ...]
-    #: Each segment's dtype (the header's int32 first, if any) and slot sizes
-    #: in elements.
+    #: Each segment's dtype (the header's int32 first, if any) and the shapes
+    #: of its parts (:attr:`Bucket.part_shapes`).
     dtypes: tuple[torch.dtype, ...]
-    sizes: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]
 
     @staticmethod
     def of(
         dtypes: Sequence[torch.dtype],
-        sizes: Sequence[Sequence[int]],
+        shapes: Sequence[Sequence[tuple[int, ...]]],
         guard: int,
         positions: Sequence[int] | None = None,
     ) -> Joined:
-        """For buckets of ``dtypes`` and slot ``sizes`` (at ``positions`` in
-        the list of live buckets, default ``0, 1, ...``), and a header of
+        """For buckets of ``dtypes`` and parts of ``shapes`` (at ``positions``
+        in the list of live buckets, default ``0, 1, ...``), and a header of
         ``guard`` words."""
         by_size = sorted(range(len(dtypes)), key=lambda k: -dtypes[k].itemsize)
         at = list(range(len(dtypes))) if positions is None else list(positions)
-        head = ((torch.int32,), ((guard,),)) if guard else ((), ())
+        head = ((torch.int32,), (((guard,),),)) if guard else ((), ())
         return Joined(
             tuple(at[k] for k in by_size),
             head[0] + tuple(dtypes[k] for k in by_size),
-            head[1] + tuple(tuple(sizes[k]) for k in by_size),
+            head[1] + tuple(tuple(tuple(s) for s in shapes[k]) for k in by_size),
         )
+
+    # Hashed once: a compiled computation is looked up by its layout on every
+    # call, and a call of 256 leaves would otherwise hash 256 shapes each time.
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.order, self.dtypes, self.shapes))
+
+    @functools.cached_property
+    def sizes(self) -> tuple[tuple[int, ...], ...]:
+        """Each segment's slot sizes, in elements."""
+        return tuple(tuple(numel(s) for s in seg) for seg in self.shapes)
+
+    @functools.cached_property
+    def empty(self) -> frozenset[tuple[int, int]]:
+        """``(segment, part)`` of each part without elements (it has no bytes)."""
+        return frozenset((k, j) for k, seg in enumerate(self.sizes) for j, n in enumerate(seg) if not n)
 
     @functools.cached_property
     def nbytes(self) -> tuple[int, ...]:

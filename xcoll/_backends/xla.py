@@ -247,9 +247,15 @@ class XlaKernels(Kernels):
         return _apply("pack", key, build, flat)
 
     def join(self, segments, joined):
-        parts = [[t for t in seg if t.numel()] for seg in segments]  # (empty: no bytes)
-        flat = [t for seg in parts for t in seg]
-        counts = [len(seg) for seg in parts]
+        # (empty parts have no bytes, so they are no parameters: read from the
+        # layout, which is the computation's key)
+        flat = [
+            t
+            for k, seg in enumerate(segments)
+            for j, t in enumerate(seg)
+            if not joined.empty or (k, j) not in joined.empty
+        ]
+        counts = [sum(1 for n in sizes if n) for sizes in joined.sizes]
 
         def build():
             def join(*params):
@@ -270,8 +276,7 @@ class XlaKernels(Kernels):
 
             return xb.create_computation("xcoll_join", join, [xb.tensor_shape(t) for t in flat])
 
-        key = ("join", joined, tuple(tuple(t.shape) for t in flat), tuple(t.dtype for t in flat))
-        return _apply("join", key, build, flat)[0]
+        return _apply("join", ("join", joined), build, flat)[0]
 
     def unjoin(self, result, joined, world, wire=False):
         w = world or 1
