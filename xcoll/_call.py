@@ -66,15 +66,17 @@ class Plan:
     means: tuple[tuple[tuple[int, int], ...], ...] = ()
     _layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def layout(self, guard: int, gathered: int | None, joined: bool, eager: bool) -> Layout:
+    def layout(self, guard: int, gathered: int | None, joined: bool, alone: int) -> Layout:
         """The buckets' layout with a guard header of ``guard`` elements
         (``gathered``: W for a gather, whose header comes back as ``(W,
         guard)``): with ``joined``, a move's, whose buckets travel as one
-        buffer after the header (on an ``eager`` engine, a bucket of one large
-        tensor travels alone); otherwise at the front of bucket 0."""
-        key = (guard, gathered, joined, eager)
+        buffer after the header, except a bucket of one tensor of ``alone``
+        bytes or more (0: none), which travels alone; otherwise at the front
+        of bucket 0. (Keyed by the threshold itself, so that a layout never
+        outlives the threshold it was made with.)"""
+        key = (guard, gathered, joined, alone)
         if key not in self._layouts:
-            self._layouts[key] = Layout.of(self, guard, gathered, joined, eager)
+            self._layouts[key] = Layout.of(self, guard, gathered, joined, alone)
         return self._layouts[key]
 
 
@@ -109,7 +111,7 @@ class Layout:
     alone: tuple[int, ...] = ()
 
     @staticmethod
-    def of(plan: Plan, guard: int, gathered: int | None, joined: bool, eager: bool) -> Layout:
+    def of(plan: Plan, guard: int, gathered: int | None, joined: bool, alone: int) -> Layout:
         b = plan.buckets
         part_shapes = [x.part_shapes for x in b]
         sizes = [x.sizes for x in b]
@@ -118,15 +120,15 @@ class Layout:
         header_shape = ((gathered, guard) if gathered else (guard,)) if guard else None
         live = [k for k, x in enumerate(b) if x.size or (guard and k == 0 and not joined)]
         if joined:
-            alone = tuple(
+            apart = tuple(
                 j
                 for j, k in enumerate(live)
-                if eager
+                if alone
                 and not b[k].scalars
                 and len(b[k].tensors) == 1
-                and b[k].size * b[k].dtype.itemsize >= ALONE
+                and b[k].size * b[k].dtype.itemsize >= alone
             )
-            rest = [j for j in range(len(live)) if j not in alone]
+            rest = [j for j in range(len(live)) if j not in apart]
             join = (
                 _pack.Joined.of(
                     [b[live[j]].dtype for j in rest],
@@ -138,7 +140,7 @@ class Layout:
                 else None
             )
             return Layout(
-                part_shapes, sizes, shapes, means, None, live, join, header_shape, alone
+                part_shapes, sizes, shapes, means, None, live, join, header_shape, apart
             )
         if guard:
             part_shapes[0] = ((guard,), *part_shapes[0])
@@ -569,7 +571,10 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
     """The output leaves, in leaf order (Python scalars as 0-d CPU tensors)."""
     w = transport.world_size()
     guard = _guard.size(op.kind) if signature is not None else 0
-    lay = plan.layout(guard, w if op.gathers else None, op.joined, not transport.lazy)
+    # (a large tensor travels alone on eager engines only: on XLA its bytes
+    # are in the graph either way)
+    alone = 0 if transport.lazy else ALONE
+    lay = plan.layout(guard, w if op.gathers else None, op.joined, alone)
     out: list[Any] = [None] * len(flat.leaves)
     live = lay.live
     for b, shapes in zip(plan.buckets, plan.shapes, strict=True):
