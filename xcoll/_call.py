@@ -97,8 +97,6 @@ class Layout:
     sizes: list[list[int]]
     shapes: list[tuple[tuple[int, ...], ...]]
     means: list[tuple[tuple[int, int], ...]]
-    #: Bucket 0's number of elements when it starts with a guard header, else None.
-    header_total: int | None
     #: The buckets that travel: those with elements, and bucket 0 when it
     #: carries the header.
     live: list[int]
@@ -140,15 +138,14 @@ class Layout:
                 else None
             )
             return Layout(
-                part_shapes, sizes, shapes, means, None, live, join, header_shape, apart
+                part_shapes, sizes, shapes, means, live, join, header_shape, apart
             )
         if guard:
             part_shapes[0] = ((guard,), *part_shapes[0])
             sizes[0] = [guard, *sizes[0]]
             shapes[0] = (header_shape, *shapes[0])
             means[0] = tuple((a + guard, z + guard) for a, z in means[0])
-        total = sum(sizes[0]) if guard else None
-        return Layout(part_shapes, sizes, shapes, means, total, live, None, header_shape)
+        return Layout(part_shapes, sizes, shapes, means, live, None, header_shape)
 
 
 def _layout(
@@ -380,7 +377,7 @@ class Reduce(Packed):
     ) -> list[torch.Tensor]:
         """The wire buffer of each live bucket (indices into ``plan.buckets``)."""
         shapes = [lay.part_shapes[k] for k in live]
-        joined = kernels.pack(parts, shapes, header=lay.header_total)
+        joined = kernels.pack(parts, shapes)
         return kernels.encode_reduce(joined, [plan.buckets[k].key[1] for k in live])
 
     def send(self, transport, wire, bucket, guard):

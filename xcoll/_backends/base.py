@@ -39,12 +39,10 @@ class Kernels:
         self,
         parts: Sequence[Sequence[torch.Tensor]],
         shapes: Sequence[Sequence[tuple[int, ...]]],
-        header: int | None = None,
     ) -> list[torch.Tensor]:
         """For each bucket, its ``parts`` (of ``shapes``) flattened and joined
-        into one new 1-d tensor. ``header``: the first bucket's first part is
-        the guard's header, and this its total size."""
-        return [_pack.concat(p, header if k == 0 else None) for k, p in enumerate(parts)]
+        into one new 1-d tensor."""
+        return [_pack.concat(p) for p in parts]
 
     def join(self, segments: Sequence[Sequence[torch.Tensor]], joined: _pack.Joined) -> torch.Tensor:
         """A move's segments (the header's part, then each live bucket's parts,

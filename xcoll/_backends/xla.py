@@ -225,7 +225,7 @@ class XlaKernels(Kernels):
 
         return _apply("bitcast", ("bitcast", tuple(t.shape), t.dtype, dtype), build, [t])[0]
 
-    def pack(self, parts, shapes, header=None):
+    def pack(self, parts, shapes):
         dtypes = [p[0].dtype for p in parts]
         flat = [t for p in parts for t in p]
 
