@@ -161,12 +161,25 @@ def test_tree_with_an_unhashable_treespec(pool):
 
 
 def _bad_then_caught(_):
-    dev = device()
+    import gc
+    import weakref
+
+    x = torch.ones(2, device=device())
+    alive, tree = weakref.ref(x), {"x": x, "y": [None, "nope"]}
+    del x
+    gc.disable()  # (a cycle would keep the tensor until a collection)
     try:
-        xcoll.reduce({"x": torch.ones(2, device=dev), "y": [None, "nope"]})
-    except TypeError:
-        return "raised"
-    return "returned"
+        caught = False
+        try:
+            xcoll.reduce(tree)
+        except TypeError:
+            caught = True
+        del tree  # (after the except block: the error and its frames are gone)
+        if not caught:
+            return "returned"
+        return "raised, tensor freed" if alive() is None else "raised, tensor kept alive"
+    finally:
+        gc.enable()
 
 
 def test_a_failed_calls_tensors_do_not_join_the_next_graph():
@@ -176,5 +189,5 @@ def test_a_failed_calls_tensors_do_not_join_the_next_graph():
     # 40 rounds at W=4)
     pool = shared_pool("xla-cpu-4")
     for _ in range(40):
-        assert pool.run(_bad_then_caught, [None] * 4) == ["raised"] * 4
+        assert pool.run(_bad_then_caught, [None] * 4) == ["raised, tensor freed"] * 4
         assert pool.run(_ok) == list(range(4))
