@@ -72,10 +72,10 @@ def _alone(tree):
     try:
         report = _with_accelerate(tree)
         mine = {t.untyped_storage().data_ptr() for t in optree.tree_leaves(tree)}
-        for what in ("gather", "broadcast"):
-            out = getattr(xcoll, what)(tree)
+        # (a reduce encodes its own buffer in place: never the leaves)
+        for out in (xcoll.gather(tree), xcoll.broadcast(tree), xcoll.reduce(tree, "max")):
             for t in optree.tree_leaves(out):
-                assert t.untyped_storage().data_ptr() not in mine, what
+                assert t.untyped_storage().data_ptr() not in mine
         return report
     finally:
         _call.ALONE = before
@@ -134,12 +134,27 @@ def _count_calls(n_leaves, big=2):
             ("broadcast", lambda: xcoll.broadcast(tree, src=xcoll.world_size() - 1)),
         ]:
             before = dict(counts)
-            fn()
+            out = fn()
             calls[what] = {k: counts[k] - before[k] for k in counts if counts[k] != before[k]}
+            for key, got in out.items():  # and the values, on every rank
+                assert torch.equal(got, _expected(what, tree[key], int(key[1:]))), (what, key)
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
     return calls
+
+
+def _expected(what: str, leaf: torch.Tensor, i: int) -> torch.Tensor:
+    """What ``_count_calls``'s call ``what`` gives for leaf ``i``, whose rank r holds r + i."""
+    w = xcoll.world_size()
+    if what == "gather":
+        return torch.cat([torch.full_like(leaf, r + i) for r in range(w)])
+    value = {
+        "sum": sum(r + i for r in range(w)),
+        "mean+max": (w - 1) / 2 + i if leaf.is_floating_point() else w - 1 + i,
+        "broadcast": w - 1 + i,
+    }[what]
+    return torch.full_like(leaf, value)
 
 
 @pytest.mark.parametrize("n_leaves", [3, 60])
