@@ -63,7 +63,13 @@ def _both(case):
         joined = _pack.Joined.of(dtypes, shapes, guard=4)
         header = torch.tensor([seed, 0, -1, 7], dtype=torch.int32).to(inputs[0][0].device)
         segments = [[header]] + [inputs[k] for k in joined.order]
-        got["join"] = [_as_int(kernels, kernels.join(segments, joined))]
+        joined_buf = kernels.join(segments, joined)
+        got["join"] = [_as_int(kernels, joined_buf)]
+        # unjoin inverts join on a gather of W copies: slot-major, each part W times
+        back = kernels.unjoin(torch.cat([joined_buf] * world), joined, world)
+        for seg, parts_k in zip(back, segments, strict=True):
+            expected = torch.cat([p.reshape(-1).repeat(world) for p in parts_k])
+            assert torch.equal(_as_int(kernels, seg).cpu(), _as_int(kernels, expected)), name
         words = _random_bits(torch.int32, (world * joined.words,), seed + 1).to(header.device)
         for wire in (False, True):
             segs = kernels.unjoin(words, joined, world, wire)
