@@ -12,6 +12,18 @@ from tests.helpers import XLA_CPU, run
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "launchers.md"
 
 
+TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+
+
+def torchrun(tmp_path: pathlib.Path, code: str, env: dict[str, str] | None = None):
+    """``code`` run as a script by torchrun in 2 gloo processes, which both exit 0."""
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    result = run(script, env or {}, *TORCHRUN_2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def snippet(name: str) -> str:
     text = DOC.read_text().split(f"<!-- launcher: {name} -->", 1)[1]
     return textwrap.dedent(text.split("```python\n", 1)[1].split("```", 1)[0])
@@ -53,17 +65,10 @@ def test_several_devices_without_a_launcher_are_named(tmp_path):
 
 
 def test_torchrun_with_gloo_runs_the_docs_snippet(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(snippet("torchrun"))
-    result = run(
-        script, {}, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(tmp_path, snippet("torchrun"))
     assert "preds [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]" in result.stdout, result.stdout
     assert "count [6] of 2 replicas" in result.stdout, result.stdout
 
-
-TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
 # One write per line: print's separate writes of the text and its newline
 # interleave between the two processes' shared stdout.
@@ -115,10 +120,7 @@ dist.destroy_process_group()
 
 
 def test_accelerate_on_its_xla_path_in_a_torchrun_job_names_use_torch_xla(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(_ACCELERATE_XLA_PATH)
-    result = run(script, {}, *TORCHRUN_2)
-    assert result.returncode == 0, result.stderr[-3000:]  # both processes ended: no hang
+    result = torchrun(tmp_path, _ACCELERATE_XLA_PATH)  # both processes ended: no hang
     out = result.stdout.splitlines()
     assert out.count("state DistributedType.XLA xla 1 dist False") == 2, result.stdout
     assert sorted(x for x in out if x.startswith("accelerate")) == [
@@ -192,6 +194,7 @@ for title, marker, before, after in SECTIONS:
     if "sorted" in marker:
         theirs = theirs.sort().values
     say("same" if same(theirs, ours) else "differs", title)
+dist.destroy_process_group()  # (as docs/launchers.md says: else gloo may abort at exit)
 """
 
 
@@ -206,10 +209,8 @@ def test_accelerate_with_use_torch_xla_0_in_a_torchrun_job_runs_xcoll_and_the_mi
         if blocks["before"][0].startswith("before: gloo")
     ]
     assert len(accelerate) == 8
-    script = tmp_path / "script.py"
-    script.write_text(f"SECTIONS = {accelerate!r}\n" + _ACCELERATE_GLOO)
-    result = run(script, {"USE_TORCH_XLA": "0"}, *TORCHRUN_2)
-    assert result.returncode == 0, result.stderr[-3000:]
+    code = f"SECTIONS = {accelerate!r}\n" + _ACCELERATE_GLOO
+    result = torchrun(tmp_path, code, {"USE_TORCH_XLA": "0"})
     out = result.stdout.splitlines()
     assert out.count("state DistributedType.MULTI_CPU cpu gloo") == 2, result.stdout
     assert sorted(x for x in out if x.startswith("xcoll")) == [
@@ -237,14 +238,8 @@ dist.destroy_process_group()
 def test_gloo_processes_exit_cleanly_after_a_caught_mismatch(tmp_path):
     # xcoll once kept the process group alive past destroy_process_group, and
     # its destructor at interpreter exit aborted 5 runs in 12
-    script = tmp_path / "script.py"
-    script.write_text(_CAUGHT)
     for _ in range(3):
-        result = run(
-            script, {}, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert result.stdout.count("caught") == 2, result.stdout
+        assert torchrun(tmp_path, _CAUGHT).stdout.count("caught") == 2
 
 
 _ABORT = "terminate called without an active exception"
@@ -256,12 +251,9 @@ def test_the_exit_abort_reproducer_runs_and_its_one_line_fix_exits_cleanly(tmp_p
     code = snippet("exit")
     fixed = code.replace("# dist.destroy_process_group()  <- the one-line fix", "dist.destroy_process_group()")
     assert fixed != code
-    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     script = tmp_path / "script.py"
     script.write_text(code)
-    result = run(script, {}, *torchrun)
+    result = run(script, {}, *TORCHRUN_2)
     assert result.returncode == 0 or _ABORT in result.stderr, result.stderr[-3000:]
-    script.write_text(fixed)
     for _ in range(3):
-        result = run(script, {}, *torchrun)
-        assert result.returncode == 0, result.stderr[-3000:]
+        torchrun(tmp_path, fixed)
