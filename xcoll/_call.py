@@ -441,8 +441,11 @@ class Broadcast(Packed):
     def alone(self, transport, leaf):
         # written in place: src's own copy (its output must not alias its
         # input), a receiver's empty buffer
-        own = leaf.clone() if transport.rank() == self.src else torch.empty_like(leaf)
-        return _wire.encode_move(own.reshape(-1), TORCH.bitcast)
+        if transport.rank() == self.src:
+            own = leaf.clone(memory_format=torch.contiguous_format)
+        else:
+            own = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+        return _wire.encode_move(own.reshape(-1), TORCH.bitcast)  # (a view: contiguous)
 
     def how(self, bucket, transport):
         return "sum" if transport.broadcast_sums else ""
