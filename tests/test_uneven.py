@@ -102,6 +102,26 @@ def test_other_dims_must_match_and_every_replica_says_so(pool):
     assert pool.run(_sizes_ok, [None] * pool.world_size) == [everyone] * pool.world_size
 
 
+def _mismatch_unguarded(_):
+    with xcoll.consistency_checks("never"):
+        return _mismatch(None)
+
+
+def test_other_dims_must_match_without_the_guard_too(pool):
+    if pool.world_size == 1:
+        pytest.skip("one replica cannot disagree with itself")
+    failures = pool.run(_mismatch_unguarded, [None] * pool.world_size, return_exceptions=True)
+    # the shape exchange's own check: every replica has every shape
+    for f in failures:
+        assert f.type_name == "builtins.ValueError", f
+        assert (
+            "tree['m']: an uneven gather along dim 0 needs the same other dims on every "
+            "replica; rank 0 has shape (2, 3), rank 1 has (2, 4)" in f.message
+        ), f
+    everyone = [v for r in range(pool.world_size) for v in range(r)]
+    assert pool.run(_sizes_ok, [None] * pool.world_size) == [everyone] * pool.world_size
+
+
 def _one_over_max_size(_):
     n = 5 if xcoll.rank() == 0 else 2  # only rank 0 exceeds
     return xcoll.gather({"x": torch.ones(n, 3).to(device())}, max_size=4, to_cpu=True)

@@ -60,8 +60,6 @@ class Plan:
     #: Gather: leaf -> the dim its replica axis moves to (:meth:`Packed.finish`
     #: runs for these leaves only).
     moved: Mapping[int, int] = field(default_factory=dict)
-    #: Uneven gather: leaf -> the dim that may differ between replicas.
-    growing: Mapping[int, int] = field(default_factory=dict)
     #: Reduce: per bucket, the ranges of mean elements (divided by W).
     means: tuple[tuple[tuple[int, int], ...], ...] = ()
     _layouts: dict = field(default_factory=dict, compare=False, repr=False)

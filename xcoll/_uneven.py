@@ -18,6 +18,7 @@ work, if any, which runs first on its own).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,11 @@ _STACKED = _call.Gather(stack=True)
 
 
 @dataclass(frozen=True)
+class UnevenPlan(_call.Plan):
+    rows: Rows | None = None
+
+
+@dataclass(frozen=True)
 class UnevenGather(_call.Op):
     dim: int = 0
     max_size: int | None = None
@@ -85,30 +91,30 @@ class UnevenGather(_call.Op):
 
     def plan(self, flat, world):
         dims = growing_dims(flat, self.dim)  # only that dim may differ between replicas
-        return _call.Plan([], [], _check.describe(flat, dims), growing=dims)
+        return UnevenPlan([], [], _check.describe(flat, dims), rows=Rows.of(flat, dims))
 
     def apply(self, flat, transport, plan, sync, to_cpu, signature):
-        dims = plan.growing
-        idx = list(dims)
+        rows: Rows = plan.rows
+        idx, dims = rows.idx, rows.dims
         # The caller's pending work runs first, on its own: here it typically has
         # shapes that differ between replicas, and in the graph of a collective that
         # would give every replica a different program. (Nothing pending: no execution.)
         transport.sync()
         if transport.lazy:  # (padded and cut on the host, below)
-            host = dict(zip(idx, transport.to_host([flat.leaves[i] for i in idx]), strict=True))
+            host = transport.to_host([flat.leaves[i] for i in idx])
         else:
-            host = {i: flat.leaves[i] for i in idx}
-        local = [host[i].shape[dims[i]] for i in idx]
+            host = [flat.leaves[i] for i in idx]
+        local = [t.shape[d] for t, d in zip(host, dims, strict=True)]
 
         scalars = [flat.leaves[i] for i in flat.scalars]
         if self.max_size is None:
             # (the scalars travel with the shapes: that gather carries the guard)
-            exchange = {"shapes": transport.upload(_shapes(idx, host)), "scalars": scalars}
+            exchange = {"shapes": transport.upload(rows.shapes(local)), "scalars": scalars}
             got = _call.run(_STACKED, exchange, transport, to_cpu=True, signature=signature)
-            sizes = _check_shapes(flat, idx, dims, got["shapes"])
+            sizes = rows.sizes(flat, got["shapes"])
             scalars = got["scalars"]
             if not transport.lazy:
-                data = _exact(idx, dims, host, sizes, transport, to_cpu)
+                data = _exact(rows, host, sizes, transport, to_cpu)
                 return _output(flat, idx, data, scalars)
             target = _pack.size_bucket(int(sizes.max())) if idx else 0
         else:
@@ -119,8 +125,8 @@ class UnevenGather(_call.Op):
         # waiting in a gather it never joins.
         payload = {
             "data": [
-                transport.upload(host[i] if n == target else _pad(host[i], dims[i], target))
-                for i, n in zip(idx, local, strict=True)
+                transport.upload(t if n == target else _pad(t, d, target))
+                for t, d, n in zip(host, dims, local, strict=True)
             ],
         }
         if self.max_size is not None:
@@ -131,13 +137,13 @@ class UnevenGather(_call.Op):
         got = _call.run(_STACKED, payload, transport, to_cpu=True, signature=first)
         if self.max_size is not None:
             sizes = got["sizes"]
-            _check_max_size(flat, idx, dims, sizes, self.max_size)
+            _check_max_size(flat, rows, sizes, self.max_size)
             scalars = got["scalars"]
         counts = sizes.tolist()
         data = []
-        for i, padded in zip(idx, got["data"], strict=True):  # (W, *padded shape)
+        for d, padded in zip(dims, got["data"], strict=True):  # (W, *padded shape)
             j = len(data)
-            t = torch.cat([padded[r].narrow(dims[i], 0, n[j]) for r, n in enumerate(counts)], dims[i])
+            t = torch.cat([padded[r].narrow(d, 0, n[j]) for r, n in enumerate(counts)], d)
             data.append(t if to_cpu else transport.upload(t))
         return _output(flat, idx, data, scalars)
 
@@ -153,97 +159,165 @@ def _output(flat, idx, data, scalars):
     return flat.unflatten(out)
 
 
-def _exact(idx, dims, host, sizes, transport, to_cpu) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class Rows:
+    """What a plan knows of an uneven gather's tensor leaves (``idx``, in tree
+    order): everything but their sizes along their growing ``dims``, which
+    are exchanged on every call, and how an eager engine lays out their bytes.
+    Built once per plan, so that a call makes a few torch calls per dtype,
+    not per leaf."""
+
+    idx: list[int]
+    dims: list[int]
+    #: Each leaf's ``[ndim, *shape, -1, ...]`` in ``1 + _MAX_DIMS`` slots (the
+    #: same size on every replica even where shapes disagree), with 0 as its
+    #: growing size; and that size's slot, one-hot.
+    template: torch.Tensor
+    grows: torch.Tensor
+    #: Each leaf's elements per unit of its growing dim, and its other dims.
+    per_row: torch.Tensor
+    rest: list[tuple[int, ...]]
+    #: The leaves' positions by dtype, element sizes descending (so that each
+    #: dtype's bytes start aligned).
+    groups: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    #: The positions of :attr:`groups` one after another, and for each: its
+    #: element size, its group and its group's first place in that order; and
+    #: each group's last place.
+    order: torch.Tensor
+    itemsize: torch.Tensor
+    group: torch.Tensor
+    first: torch.Tensor
+    last: torch.Tensor
+
+    @staticmethod
+    def of(flat: _tree.Flat, dims: dict[int, int]) -> Rows:
+        idx = list(dims)
+        leaves = [flat.leaves[i] for i in idx]
+        template = [[t.dim(), *t.shape, *[-1] * (_MAX_DIMS - t.dim())] for t in leaves]
+        grows = torch.zeros(len(idx), 1 + _MAX_DIMS, dtype=torch.int64)
+        rest = []
+        for j, (t, i) in enumerate(zip(leaves, idx, strict=True)):
+            template[j][1 + dims[i]] = 0
+            grows[j, 1 + dims[i]] = 1
+            rest.append(tuple(t.shape[: dims[i]] + t.shape[dims[i] + 1 :]))
+        by: dict[torch.dtype, list[int]] = {}
+        for j in sorted(range(len(idx)), key=lambda j: -leaves[j].dtype.itemsize):
+            by.setdefault(leaves[j].dtype, []).append(j)
+        groups = tuple((d, tuple(js)) for d, js in by.items())
+        order = [j for _, js in groups for j in js]
+        group = [g for g, (_, js) in enumerate(groups) for _ in js]
+        ends = list(itertools.accumulate(len(js) for _, js in groups))
+        first = [ends[g] - len(groups[g][1]) for g in group]
+
+        def ints(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        return Rows(
+            idx=idx,
+            dims=[dims[i] for i in idx],
+            template=ints(template).reshape(len(idx), 1 + _MAX_DIMS),
+            grows=grows,
+            per_row=ints([_pack.numel(r) for r in rest]),
+            rest=rest,
+            groups=groups,
+            order=ints(order),
+            itemsize=ints([leaves[j].dtype.itemsize for j in order]),
+            group=ints(group),
+            first=ints(first),
+            last=ints([n - 1 for n in ends]),
+        )
+
+    def shapes(self, local: list[int]) -> torch.Tensor:
+        """This replica's shape rows with its ``local`` sizes, 1-d, for the exchange."""
+        return torch.addcmul(self.template, self.grows, torch.tensor(local, dtype=torch.int64)[:, None]).reshape(-1)
+
+    def sizes(self, flat: _tree.Flat, every: torch.Tensor) -> torch.Tensor:
+        """Every rank's size of each leaf along its dim, ``(W, leaves)``, from
+        every rank's :meth:`shapes`. Raises, on every replica alike (they all
+        see the same shapes), if anything else differs. (Under the guard that
+        gather has compared the replicas' shapes already; this is what is left
+        of the check with ``XCOLL_CHECK=never``.)"""
+        every = every.reshape(every.shape[0], len(self.idx), 1 + _MAX_DIMS)
+        if torch.ne(every * (1 - self.grows), self.template).any():
+            _shape_error(flat, self, every)
+        return (every * self.grows).sum(2)
+
+
+def _exact(rows: Rows, host, sizes, transport, to_cpu) -> list[torch.Tensor]:
     """An eager engine's uneven gather once every replica's ``sizes`` are
-    known (``(W, leaves)``): each replica sends its leaves' exact bytes (its
-    growing dim first), padded only at the end to the largest replica's total,
-    and the result is regrouped leaf by leaf in rank order by one index per
-    dtype, so that each output is a view. The offsets are computed with a few
-    torch ops per dtype, not per leaf and replica. Eager engines only: on XLA
-    the sizes would be in the program."""
-    rows = [host[i].movedim(dims[i], 0) if dims[i] else host[i] for i in idx]
-    groups: dict[torch.dtype, list[int]] = {}
-    for j in sorted(range(len(rows)), key=lambda j: -rows[j].dtype.itemsize):
-        groups.setdefault(rows[j].dtype, []).append(j)  # (aligned: element sizes descending)
+    known (``(W, leaves)``): each replica sends its leaves' exact bytes (their
+    growing dim first), dtype by dtype with each dtype's bytes padded to 8,
+    and its total padded at the end to the largest replica's. The result is
+    regrouped leaf by leaf in rank order by one index for all leaves (one
+    ``index_select`` per dtype), so that each output is a view. The offsets
+    are computed by a few torch calls for all leaves at once: at 256 leaves
+    each call costs more than its arithmetic. Eager engines only: on XLA the
+    sizes would be in the program."""
+    first_dims = [t.movedim(d, 0) if d else t for t, d in zip(host, rows.dims, strict=True)]
     w, me = sizes.shape[0], transport.rank()
-    per_row = torch.tensor([_pack.numel(tuple(r.shape[1:])) for r in rows], dtype=torch.int64)
-    elements = sizes * per_row  # (W, leaves)
-    segments = []  # per dtype: its leaves' elements and every replica's start byte
-    at = torch.zeros(w, dtype=torch.int64)
-    for dtype, js in groups.items():
-        e = elements[:, js]
-        segments.append((dtype, js, e, at))
-        nbytes = e.sum(1) * dtype.itemsize
-        at = at + nbytes + (-nbytes) % 8
-    width = max(int(at.max()) if w else 0, 8)
+    elements = (sizes * rows.per_row)[:, rows.order]  # (W, leaves): group by group
+    nbytes = elements * rows.itemsize
+    ahead = nbytes.cumsum(1)
+    ahead -= nbytes  # (a replica's bytes before each leaf)
+    ahead -= ahead[:, rows.first]  # (... of its group)
+    total = ahead[:, rows.last] + nbytes[:, rows.last]  # (W, groups): each group's bytes
+    padded = total + (-total) % 8
+    start = padded.cumsum(1) - padded  # (each group's first byte in a replica's buffer)
+    width = max(int(padded.sum(1).max()), 8)
     buf = torch.zeros(width, dtype=torch.uint8, device=transport.device)
-    for dtype, js, e, start in segments:
-        a, n = int(start[me]), int(e[me].sum()) * dtype.itemsize
-        _pack.fill(buf[a : a + n].view(dtype), [rows[j] for j in js])
+    for (dtype, js), a, n in zip(rows.groups, start[me].tolist(), total[me].tolist(), strict=True):
+        _pack.fill(buf[a : a + n].view(dtype), [first_dims[j] for j in js])
     every = transport.all_gather(buf)
     transport.wait()
     if to_cpu:
         every = transport.to_host([every])[0]
-    ranks = torch.arange(w, dtype=torch.int64)
+    # Where each leaf's piece from each replica starts in ``every``, in
+    # elements of its dtype, and how many: leaf-major, then rank order
+    at = torch.arange(w, dtype=torch.int64)[:, None] * width + start[:, rows.group] + ahead
+    begin = (at // rows.itemsize).t().reshape(-1)
+    length = elements.t().reshape(-1)
+    into = length.cumsum(0) - length
+    index = torch.repeat_interleave(begin - into, length)
+    index += torch.arange(index.shape[0])
+    index = index.to(every.device)
     totals = sizes.sum(0).tolist()
-    data: list = [None] * len(rows)
-    for dtype, js, e, start in segments:
-        k = dtype.itemsize
-        inner = e.cumsum(1) - e
-        begin = ((ranks * width + start) // k)[:, None] + inner  # (W, leaves of the dtype)
-        length = e.t().reshape(-1)  # leaf-major, rank-minor: each leaf's pieces in rank order
-        first = begin.t().reshape(-1) - (length.cumsum(0) - length)
-        index = torch.repeat_interleave(first, length)
-        index += torch.arange(index.shape[0])
-        flat = every.view(torch.uint8 if dtype == torch.bool else dtype)
-        grouped = flat.index_select(0, index.to(every.device))
-        if dtype == torch.bool:
-            grouped = grouped != 0
-        shapes = [(totals[j], *rows[j].shape[1:]) for j in js]
+    data: list = [None] * len(first_dims)
+    base = 0
+    for dtype, js in rows.groups:
+        shapes = [(totals[j], *rows.rest[j]) for j in js]
+        n = sum(map(_pack.numel, shapes))
+        grouped = every.view(dtype).index_select(0, index[base : base + n])
+        base += n
         for j, t in zip(js, _pack.split(grouped, shapes), strict=True):
-            data[j] = t.movedim(0, dims[idx[j]]).contiguous() if dims[idx[j]] else t
+            data[j] = t
+    for j, d in enumerate(rows.dims):
+        if d:  # (a view would not be contiguous)
+            data[j] = data[j].movedim(0, d).contiguous()
     return data
 
 
-def _shapes(idx, host) -> torch.Tensor:
-    """Each leaf's ``[ndim, *shape]`` in a fixed number of slots, so that the
-    exchange has the same size on every replica even where shapes disagree."""
-    rows = [[host[i].dim(), *host[i].shape, *[-1] * (_MAX_DIMS - host[i].dim())] for i in idx]
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1)
+def _shape_error(flat: _tree.Flat, rows: Rows, every: torch.Tensor) -> None:
+    """Raises for the first leaf whose other dims differ between ranks,
+    naming the first rank whose shape differs from rank 0's."""
+    others = every * (1 - rows.grows)
+    # (some rank differs from rank 0: this replica's row is among them)
+    j, r = (others != others[:1]).any(2).t().nonzero()[0].tolist()  # leaf-major
+    i, d = rows.idx[j], rows.dims[j]
+    raise ValueError(
+        f"{flat.path(i)}: an uneven gather along dim {d} needs the same other "
+        f"dims on every replica; rank 0 has shape {_shape(every[0, j])}, "
+        f"rank {r} has {_shape(every[r, j])}"
+    )
 
 
-def _check_shapes(flat, idx, dims, every: torch.Tensor) -> torch.Tensor:
-    """Every rank's size of each leaf along its dim, ``(W, leaves)``. Raises, on
-    every replica alike (they all see the same shapes), if anything else
-    differs: for the first such leaf, naming the first rank whose shape
-    differs from rank 0's."""
-    every = every.reshape(every.shape[0], len(idx), 1 + _MAX_DIMS)
-    leaves = torch.arange(len(idx))
-    grows = torch.tensor([1 + dims[i] for i in idx], dtype=torch.int64)
-    sizes = every[:, leaves, grows]
-    others = every.clone()
-    others[:, leaves, grows] = 0
-    differs = (others != others[:1]).any(2).t().nonzero()  # (leaf, rank), leaf-major
-    if len(differs):
-        j, r = differs[0].tolist()
-        i = idx[j]
-        raise ValueError(
-            f"{flat.path(i)}: an uneven gather along dim {dims[i]} needs the same other "
-            f"dims on every replica; rank 0 has shape {_shape(every[0, j])}, "
-            f"rank {r} has {_shape(every[r, j])}"
-        )
-    return sizes
-
-
-def _check_max_size(flat, idx, dims, sizes: torch.Tensor, max_size: int) -> None:
+def _check_max_size(flat, rows: Rows, sizes: torch.Tensor, max_size: int) -> None:
     """Raises, on every replica alike, if any rank's leaf exceeds ``max_size``."""
     over = (sizes > max_size).nonzero().tolist()
     if over:
         r, j = over[0]
-        i = idx[j]
         raise ValueError(
-            f"{flat.path(i)}: rank {r} has size {int(sizes[r, j])} along dim {dims[i]}, "
-            f"more than max_size={max_size}"
+            f"{flat.path(rows.idx[j])}: rank {r} has size {int(sizes[r, j])} along dim "
+            f"{rows.dims[j]}, more than max_size={max_size}"
         )
 
 
