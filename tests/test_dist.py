@@ -99,10 +99,14 @@ def test_same_values_as_accelerate(gloo, run, data):
 _COUNTED = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast")
 
 
-def _count_calls(n_leaves, big=2):
-    """Calls xcoll on a tree of ``n_leaves`` leaves of 3 dtypes (the first of
+def _count_calls(n_leaves, big=2, widen=None):
+    """Calls xcoll on a tree of ``n_leaves`` leaves of 5 dtypes (the first of
     ``big`` rows, the others of 2) with the process group's collectives
-    wrapped, and returns how often each was called."""
+    wrapped (and ``_call.WIDEN`` set to ``widen``, if given), and returns how
+    often each was called."""
+    from xcoll import _call
+
+    xcoll.gather(xcoll.rank())  # a process's first call is checked in full: not counted here
     counts = dict.fromkeys(_COUNTED, 0)
     originals = {name: getattr(dist, name) for name in _COUNTED}
 
@@ -113,14 +117,15 @@ def _count_calls(n_leaves, big=2):
 
         return call
 
-    dtypes = [torch.float32, torch.int64, torch.bfloat16]
+    dtypes = [torch.float32, torch.int64, torch.bfloat16, torch.int32, torch.uint8]
     tree = {
-        f"x{i:03d}": torch.full((big if i == 0 else 2, 3), xcoll.rank() + i, dtype=dtypes[i % 3])
+        f"x{i:03d}": torch.full((big if i == 0 else 2, 3), xcoll.rank() + i, dtype=dtypes[i % len(dtypes)])
         for i in range(n_leaves)
     }
     calls = {}
     for name in _COUNTED:
         setattr(dist, name, counting(name))
+    widened, _call.WIDEN = _call.WIDEN, widen if widen is not None else _call.WIDEN
     try:
         for what, fn in [
             ("gather", lambda: xcoll.gather(tree)),
@@ -139,6 +144,7 @@ def _count_calls(n_leaves, big=2):
             for key, got in out.items():  # and the values, on every rank
                 assert torch.equal(got, _expected(what, tree[key], int(key[1:]))), (what, key)
     finally:
+        _call.WIDEN = widened
         for name, fn in originals.items():
             setattr(dist, name, fn)
     return calls
@@ -157,15 +163,31 @@ def _expected(what: str, leaf: torch.Tensor, i: int) -> torch.Tensor:
     return torch.full_like(leaf, value)
 
 
-@pytest.mark.parametrize("n_leaves", [3, 60])
+@pytest.mark.parametrize("n_leaves", [5, 60])
 def test_one_collective_call_per_move_and_per_reduced_bucket(gloo, n_leaves):
     expected = {
         "gather": {"all_gather_into_tensor": 1},  # every dtype in one buffer
-        "sum": {"all_reduce": 3},
-        "mean+max": {"all_reduce": 3},  # float32 and bfloat16 mean (sum), int64 max
+        # bfloat16 joins float32 (it accumulates in float32 anyway), int32 and
+        # uint8 join int64 (every value fits; sums wrap the same once cast back)
+        "sum": {"all_reduce": 2},
+        "mean+max": {"all_reduce": 2},  # float32 and bfloat16 mean, the integers' max
         "broadcast": {"broadcast": 1},
     }
     assert gloo.run(_count_calls, [n_leaves] * gloo.world_size) == [expected] * gloo.world_size
+
+
+def _count_unwidened(_):
+    return _count_calls(5, widen=0)
+
+
+def test_integers_too_large_to_widen_keep_their_own_collective(gloo):
+    expected = {
+        "gather": {"all_gather_into_tensor": 1},
+        "sum": {"all_reduce": 4},  # float32 with bfloat16; int64, int32, uint8 each
+        "mean+max": {"all_reduce": 4},
+        "broadcast": {"broadcast": 1},
+    }
+    assert gloo.run(_count_unwidened, [None] * gloo.world_size) == [expected] * gloo.world_size
 
 
 def _count_alone(_):
@@ -182,8 +204,8 @@ def test_a_large_leaf_travels_alone_after_the_rest(gloo):
     # x000 (float32, 256 x 3: 3 KiB) alone; the header, x001 and x002 in one buffer
     expected = {
         "gather": {"all_gather_into_tensor": 2},
-        "sum": {"all_reduce": 3},
-        "mean+max": {"all_reduce": 3},
+        "sum": {"all_reduce": 2},
+        "mean+max": {"all_reduce": 2},
         "broadcast": {"broadcast": 2},
     }
     assert gloo.run(_count_alone, [None] * gloo.world_size) == [expected] * gloo.world_size

@@ -16,11 +16,14 @@ import torch
 
 @dataclass(frozen=True)
 class Slot:
-    """Where leaf ``leaf`` lives in its bucket's flat buffer."""
+    """Where leaf ``leaf`` lives in its bucket's flat buffer; ``dtype``: the
+    leaf's own, where it differs from its bucket's (a reduce's merged
+    bucket: the leaf travels widened and is cast back)."""
 
     leaf: int
     offset: int
     shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
 
     @property
     def numel(self) -> int:
@@ -38,8 +41,10 @@ class Bucket:
     scalars: list[Slot] = field(default_factory=list)
     size: int = 0
 
-    def _add(self, slots: list[Slot], leaf: int, shape: tuple[int, ...]) -> None:
-        slot = Slot(leaf, self.size, shape)
+    def _add(
+        self, slots: list[Slot], leaf: int, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> None:
+        slot = Slot(leaf, self.size, shape, None if dtype == self.dtype else dtype)
         slots.append(slot)
         self.size += slot.numel
 
@@ -48,6 +53,12 @@ class Bucket:
     def sizes(self) -> list[int]:
         """Each tensor slot's number of elements, then the scalar block's (if any)."""
         return [s.numel for s in self.tensors] + ([len(self.scalars)] if self.scalars else [])
+
+    @functools.cached_property
+    def casts(self) -> tuple[torch.dtype | None, ...]:
+        """Each tensor slot's :attr:`Slot.dtype`, then None for the scalar
+        block (if any): what each piece of the bucket is cast to."""
+        return tuple(s.dtype for s in self.tensors) + ((None,) if self.scalars else ())
 
     @functools.cached_property
     def part_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -63,9 +74,11 @@ def plan(
     dtypes: Sequence[torch.dtype],
     first: frozenset[int] = frozenset(),
 ) -> list[Bucket]:
-    """Groups leaf ``i`` into the bucket ``keys[i]``, in order of first appearance.
+    """Groups leaf ``i`` into the bucket ``keys[i]``, of dtype ``dtypes[i]``,
+    in order of first appearance.
 
-    Tensor leaves keep their shape and are laid out by size, then shape, then
+    Tensor leaves keep their shape and are laid out by dtype (the bucket's
+    first: a bucket cast back in a few runs), then size, then shape, then
     position, so that leaves of equal shape sit together: a gathered bucket
     regroups in a few blocks (:func:`slot_major`) and splits in a few calls
     (:func:`split`). Python scalars get shape ``()`` and are laid out after the
@@ -84,13 +97,14 @@ def plan(
             buckets[keys[i]] = Bucket(keys[i], dtypes[i])
             tensors[keys[i]] = []
         if isinstance(leaf, torch.Tensor):
-            shape = tuple(leaf.shape)
-            tensors[keys[i]].append((i not in first, numel(shape), shape, i))
+            shape, own = tuple(leaf.shape), leaf.dtype
+            cast = "" if own == buckets[keys[i]].dtype else str(own)
+            tensors[keys[i]].append((cast, i not in first, numel(shape), shape, i, own))
         else:
             scalar_leaves.append(i)
     for key, bucket in buckets.items():
-        for _, _, shape, i in sorted(tensors[key]):
-            bucket._add(bucket.tensors, i, shape)
+        for _, _, _, shape, i, own in sorted(tensors[key], key=lambda t: t[:5]):
+            bucket._add(bucket.tensors, i, shape, own)
     for i in sorted(scalar_leaves, key=lambda i: i not in first):
         bucket = buckets[keys[i]]
         bucket._add(bucket.scalars, i, ())
@@ -303,9 +317,10 @@ def fill(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
         torch.cat(group, out=out[start:at])
 
 
-def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``parts`` flattened and concatenated into one new 1-d tensor (:func:`fill`)."""
-    out = parts[0].new_empty(sum(p.numel() for p in parts))
+def concat(parts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``parts`` flattened and concatenated into one new 1-d tensor of
+    ``dtype`` (default: the first part's; :func:`fill`)."""
+    out = parts[0].new_empty(sum(p.numel() for p in parts), dtype=dtype)
     fill(out, parts)
     return out
 

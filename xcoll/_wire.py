@@ -138,6 +138,17 @@ def decode_reduce(
     return out.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("-inf"))
 
 
+def narrow(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A decoded reduce result of a merged bucket (``xcoll._call.merged``) cast
+    back to a leaf's narrower ``dtype``, as :func:`decode_reduce` would have
+    made it: rounded once, a NaN the quiet NaN (float32's NaN cast to bfloat16
+    is not bfloat16's)."""
+    out = out.to(dtype)
+    if dtype.is_floating_point:
+        out.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("-inf"))
+    return out
+
+
 def _flip(bits: torch.Tensor) -> torch.Tensor:
     """Negative floats sort backwards as two's complement integers: their
     magnitude bits flipped, keys sort like values (-0.0 just below +0.0). Its

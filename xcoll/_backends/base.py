@@ -15,6 +15,7 @@ Nothing here knows a device type, and this module imports nothing above it.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 
@@ -27,8 +28,9 @@ from .._tree import Flat
 class Kernels:
     """Packing kernels in torch ops that every device lowers.
 
-    ``parts`` are a bucket's tensors (any shape, one dtype), ``shapes`` their
-    shapes, ``sizes`` a bucket's slot sizes (:attr:`xcoll._pack.Bucket.sizes`).
+    ``parts`` are a bucket's tensors (any shape; a reduce's merged bucket
+    mixes dtypes, :func:`xcoll._call.merged`), ``shapes`` their shapes,
+    ``sizes`` a bucket's slot sizes (:attr:`xcoll._pack.Bucket.sizes`).
     """
 
     def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -39,10 +41,12 @@ class Kernels:
         self,
         parts: Sequence[Sequence[torch.Tensor]],
         shapes: Sequence[Sequence[tuple[int, ...]]],
+        dtypes: Sequence[torch.dtype],
     ) -> list[torch.Tensor]:
         """For each bucket, its ``parts`` (of ``shapes``) flattened and joined
-        into one new 1-d tensor."""
-        return [_pack.concat(p) for p in parts]
+        into one new 1-d tensor of its dtype (``dtypes``; a part of another
+        dtype is converted exactly: it is narrower)."""
+        return [_pack.concat(p, d) for p, d in zip(parts, dtypes, strict=True)]
 
     def join(self, segments: Sequence[Sequence[torch.Tensor]], joined: _pack.Joined) -> torch.Tensor:
         """A move's segments (the header's part, then each live bucket's parts,
@@ -103,10 +107,29 @@ class Kernels:
         ]
 
     def split(
-        self, flats: Sequence[torch.Tensor], shapes: Sequence[Sequence[tuple[int, ...]]]
+        self,
+        flats: Sequence[torch.Tensor],
+        shapes: Sequence[Sequence[tuple[int, ...]]],
+        casts: Sequence[Sequence[torch.dtype | None]] | None = None,
     ) -> list[list[torch.Tensor]]:
-        """Each 1-d tensor of ``flats`` cut into consecutive pieces of its ``shapes``."""
-        return [_pack.split(f, s) for f, s in zip(flats, shapes, strict=True)]
+        """Each 1-d tensor of ``flats`` cut into consecutive pieces of its
+        ``shapes``, each piece cast to its dtype in ``casts`` (None: not cast)."""
+        out = []
+        for k, (flat, bucket_shapes) in enumerate(zip(flats, shapes, strict=True)):
+            if not casts or not any(casts[k]):
+                out.append(_pack.split(flat, bucket_shapes))
+                continue
+            pieces, at = [], 0  # (one cast per run of pieces of one dtype)
+            for dtype, run in itertools.groupby(
+                zip(bucket_shapes, casts[k], strict=True), lambda x: x[1]
+            ):
+                run_shapes = [shape for shape, _ in run]
+                n = sum(map(_pack.numel, run_shapes))
+                seg = flat[at : at + n]
+                pieces += _pack.split(seg if dtype is None else _wire.narrow(seg, dtype), run_shapes)
+                at += n
+            out.append(pieces)
+        return out
 
 
 #: The torch kernels (also what host buffers are cut with).

@@ -24,6 +24,7 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Sequence
@@ -103,6 +104,15 @@ def _encode(op, dtype: torch.dtype):
     if dtype in _wire.BITS:
         return op.bitcast(_XLA_TYPES[_wire.BITS[dtype]])
     return op
+
+
+def _convert(op, dtype: torch.dtype):
+    """``op``'s values as ``dtype`` (a reduce's merged bucket: into it from a
+    narrower dtype, exactly, or back as _wire.narrow does)."""
+    if dtype == torch.bool:
+        return op != op.zeros_like()
+    op = op.cast(_XLA_TYPES[dtype])
+    return (op != op).select(op.scalar_like(float("nan")), op) if dtype.is_floating_point else op
 
 
 def _decode(op, dtype: torch.dtype):
@@ -225,16 +235,20 @@ class XlaKernels(Kernels):
 
         return _apply("bitcast", ("bitcast", tuple(t.shape), t.dtype, dtype), build, [t])[0]
 
-    def pack(self, parts, shapes):
-        dtypes = [p[0].dtype for p in parts]
+    def pack(self, parts, shapes, dtypes):
         flat = [t for p in parts for t in p]
+        own = [t.dtype for t in flat]
 
         def build():
             def pack(*params):
                 joined, at = [], 0
                 for dtype, bucket_shapes in zip(dtypes, shapes, strict=True):
-                    ops = params[at : at + len(bucket_shapes)]
-                    at += len(bucket_shapes)
+                    n = len(bucket_shapes)
+                    ops = [
+                        q if d == dtype else _convert(q, dtype)
+                        for q, d in zip(params[at : at + n], own[at : at + n], strict=True)
+                    ]
+                    at += n
                     # Bits become integers before the join: XLA:CPU may
                     # canonicalise NaN payloads when it copies floats (bfloat16).
                     wire = _join([_encode(q, dtype) for q in ops], bucket_shapes)
@@ -243,7 +257,7 @@ class XlaKernels(Kernels):
 
             return xb.create_computation("xcoll_pack", pack, [xb.tensor_shape(t) for t in flat])
 
-        key = ("pack", tuple(dtypes), tuple(tuple(s) for s in shapes))
+        key = ("pack", tuple(dtypes), tuple(own), tuple(tuple(s) for s in shapes))
         return _apply("pack", key, build, flat)
 
     def join(self, segments, joined):
@@ -353,21 +367,24 @@ class XlaKernels(Kernels):
         )
         return _apply("decode_reduce", key, build, [*outs, *divisors])
 
-    def split(self, flats, shapes):
+    def split(self, flats, shapes, casts=None):
+        casts = tuple(tuple(c) for c in casts) if casts else tuple(() for _ in flats)
+
         def build():
             def cut(*params):
                 pieces = []
-                for p, bucket_shapes in zip(params, shapes, strict=True):
+                for p, bucket_shapes, bucket_casts in zip(params, shapes, casts, strict=True):
                     offset = 0
-                    for shape in bucket_shapes:
+                    for shape, dtype in itertools.zip_longest(bucket_shapes, bucket_casts):
                         n = _pack.numel(shape)
-                        pieces.append(p.slice_in_dim(offset, offset + n, 0).reshape(list(shape)))
+                        piece = p.slice_in_dim(offset, offset + n, 0).reshape(list(shape))
+                        pieces.append(piece if dtype is None else _convert(piece, dtype))
                         offset += n
                 return xb.Op.tuple(pieces)
 
             return xb.create_computation("xcoll_split", cut, [xb.tensor_shape(f) for f in flats])
 
-        key = ("split", tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes))
+        key = ("split", tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes), casts)
         pieces = iter(_apply("split", key, build, flats))
         return [[next(pieces) for _ in bucket_shapes] for bucket_shapes in shapes]
 
