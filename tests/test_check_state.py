@@ -58,3 +58,29 @@ def test_the_first_call_state_holds_no_process_group():
     # its destructor at interpreter exit aborted gloo processes
     with GlooPool(2, timeout=120, collective_timeout=30) as pool:
         assert pool.run(_called_keys, [None, None]) == [[], []]
+
+
+def _checked_calls(_):
+    """The full checks made by a call in mode "never", then by two calls in
+    the default mode."""
+    from xcoll import _check
+
+    made = []
+    verify = _check.verify
+    _check.verify = lambda *a, **k: (made.append(1), verify(*a, **k))[1]
+    try:
+        counts = []
+        for mode in ("never", "guard", "guard"):
+            before = len(made)
+            with xcoll.consistency_checks(mode):
+                assert xcoll.gather(torch.tensor([xcoll.rank()])).tolist() == [0, 1]
+            counts.append(len(made) - before)
+        return counts
+    finally:
+        _check.verify = verify
+
+
+def test_a_call_in_mode_never_leaves_the_first_check_to_come():
+    # a "never" call checks nothing: the group's first checked call is the next one
+    with GlooPool(2, timeout=120, collective_timeout=30) as pool:
+        assert pool.run(_checked_calls, [None, None]) == [[0, 1, 0]] * 2

@@ -76,11 +76,15 @@ def mode() -> str:
 
 def due(transport: Transport, m: str) -> bool:
     """Whether this public call, on ``transport``'s group, in mode ``m``, is
-    checked before it communicates; counts it."""
+    checked before it communicates; counts it, unless the mode is "never"
+    (such a call checks nothing, so the group's first checked call is still
+    to come)."""
+    if m == "never":
+        return False
     with _called_lock:
         first = transport.group_key not in _called
         _called.add(transport.group_key)
-    return m == "always" or (m == "guard" and first)
+    return m == "always" or first
 
 
 @dataclass(frozen=True)
