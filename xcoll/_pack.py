@@ -297,6 +297,8 @@ def fill(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
     threads, which on 2 cores cost 184 us against 19 us for 256 leaves of 128
     float32. Consecutive parts are copied together up to that size; a larger
     part is copied alone (its copy is worth the threads)."""
+    if not parts:
+        return
     if out.numel() <= _CAT_GRAIN:  # (flattened in one C++ call, not one Python call each)
         out.copy_(torch._utils._flatten_dense_tensors(parts))
         return

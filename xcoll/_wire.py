@@ -135,18 +135,21 @@ def decode_reduce(
         for start, stop in means:
             out[start:stop].div_(world)
         out = out.to(dtype)
-    return out.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("-inf"))
+    return _quiet(out)
 
 
-def narrow(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_back(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A decoded reduce result of a merged bucket (``xcoll._call.merged``) cast
     back to a leaf's narrower ``dtype``, as :func:`decode_reduce` would have
     made it: rounded once, a NaN the quiet NaN (float32's NaN cast to bfloat16
     is not bfloat16's)."""
     out = out.to(dtype)
-    if dtype.is_floating_point:
-        out.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("-inf"))
-    return out
+    return _quiet(out) if dtype.is_floating_point else out
+
+
+def _quiet(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every NaN the quiet NaN ``float("nan")``, in place."""
+    return t.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("-inf"))
 
 
 def _flip(bits: torch.Tensor) -> torch.Tensor:

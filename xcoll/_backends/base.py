@@ -126,7 +126,7 @@ class Kernels:
                 run_shapes = [shape for shape, _ in run]
                 n = sum(map(_pack.numel, run_shapes))
                 seg = flat[at : at + n]
-                pieces += _pack.split(seg if dtype is None else _wire.narrow(seg, dtype), run_shapes)
+                pieces += _pack.split(seg if dtype is None else _wire.cast_back(seg, dtype), run_shapes)
                 at += n
             out.append(pieces)
         return out

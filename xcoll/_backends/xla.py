@@ -24,7 +24,6 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from collections.abc import Sequence
@@ -106,13 +105,18 @@ def _encode(op, dtype: torch.dtype):
     return op
 
 
-def _convert(op, dtype: torch.dtype):
-    """``op``'s values as ``dtype`` (a reduce's merged bucket: into it from a
-    narrower dtype, exactly, or back as _wire.narrow does)."""
+def _cast_back(op, dtype: torch.dtype):
+    """_wire.cast_back in an XLA computation: a merged bucket's piece as its
+    leaf's narrower ``dtype``, a NaN the quiet NaN."""
     if dtype == torch.bool:
         return op != op.zeros_like()
     op = op.cast(_XLA_TYPES[dtype])
-    return (op != op).select(op.scalar_like(float("nan")), op) if dtype.is_floating_point else op
+    return _quiet(op) if dtype.is_floating_point else op
+
+
+def _quiet(op):
+    """Every NaN of a float ``op`` as the quiet NaN ``float("nan")``."""
+    return (op != op).select(op.scalar_like(float("nan")), op)
 
 
 def _decode(op, dtype: torch.dtype):
@@ -207,7 +211,7 @@ def _decode_reduce(op, dtype: torch.dtype, how: str, means, divisor):
                 at = stop
             op = xb.Op.concat_in_dim(pieces, 0) if len(pieces) > 1 else pieces[0]
         op = op.cast(_XLA_TYPES[dtype]) if _wire.ACCUMULATE.get(dtype, dtype) != dtype else op
-    return (op != op).select(op.scalar_like(float("nan")), op)
+    return _quiet(op)
 
 
 # (device, dtype, W) -> W as a (1,) device tensor (uploaded once; a 1-d upload
@@ -244,8 +248,9 @@ class XlaKernels(Kernels):
                 joined, at = [], 0
                 for dtype, bucket_shapes in zip(dtypes, shapes, strict=True):
                     n = len(bucket_shapes)
+                    # (a narrower part, widened exactly: bool as 0/1)
                     ops = [
-                        q if d == dtype else _convert(q, dtype)
+                        q if d == dtype else q.cast(_XLA_TYPES[dtype])
                         for q, d in zip(params[at : at + n], own[at : at + n], strict=True)
                     ]
                     at += n
@@ -368,17 +373,17 @@ class XlaKernels(Kernels):
         return _apply("decode_reduce", key, build, [*outs, *divisors])
 
     def split(self, flats, shapes, casts=None):
-        casts = tuple(tuple(c) for c in casts) if casts else tuple(() for _ in flats)
+        casts = tuple(map(tuple, casts)) if casts else tuple((None,) * len(s) for s in shapes)
 
         def build():
             def cut(*params):
                 pieces = []
                 for p, bucket_shapes, bucket_casts in zip(params, shapes, casts, strict=True):
                     offset = 0
-                    for shape, dtype in itertools.zip_longest(bucket_shapes, bucket_casts):
+                    for shape, dtype in zip(bucket_shapes, bucket_casts, strict=True):
                         n = _pack.numel(shape)
                         piece = p.slice_in_dim(offset, offset + n, 0).reshape(list(shape))
-                        pieces.append(piece if dtype is None else _convert(piece, dtype))
+                        pieces.append(piece if dtype is None else _cast_back(piece, dtype))
                         offset += n
                 return xb.Op.tuple(pieces)
 
