@@ -176,6 +176,59 @@ def test_one_collective_call_per_move_and_per_reduced_bucket(gloo, n_leaves):
     assert gloo.run(_count_calls, [n_leaves] * gloo.world_size) == [expected] * gloo.world_size
 
 
+def _wrapping(_):
+    """Merged integer reduces against one torch.distributed all-reduce per
+    leaf in its own dtype, with values whose sums and products wrap: ``(op,
+    all-reduce calls merged, unmerged, every output equal bit for bit)``."""
+    from xcoll import _call
+
+    r = xcoll.rank()
+    tree = {
+        "i32": torch.tensor([2**31 - 10 - 7 * r, 65536 + r], dtype=torch.int32),
+        "u8": torch.tensor([200 + r, 3 + r], dtype=torch.uint8),
+        "i8": torch.tensor([-120 - r, 100 + r], dtype=torch.int8),
+        "i64": torch.tensor([-(2**62) - r, 2**40 + r], dtype=torch.int64),
+    }
+    flags = {"flag": torch.tensor([r == 0, True, False])}
+    reduce_op = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT}
+    reduce_op.update({"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN})
+
+    def per_leaf(t, op):
+        x = t.to(torch.uint8) if t.dtype == torch.bool else t.clone()
+        dist.all_reduce(x, reduce_op[op])
+        return x.bool() if t.dtype == torch.bool else x
+
+    calls = [0]
+    all_reduce = dist.all_reduce
+    out = []
+    for op in ("sum", "prod", "max", "min"):
+        x = tree | (flags if op in ("max", "min") else {})
+        expected = {k: per_leaf(t, op) for k, t in x.items()}
+        got = []
+        for widen in (_call.WIDEN, 0):
+            before, _call.WIDEN = _call.WIDEN, widen
+            dist.all_reduce = lambda *a, **k: (calls.__setitem__(0, calls[0] + 1), all_reduce(*a, **k))[1]
+            try:
+                start = calls[0]
+                result = xcoll.reduce(x, op)
+                got.append(calls[0] - start)
+            finally:
+                dist.all_reduce, _call.WIDEN = all_reduce, before
+            got.append(all(torch.equal(result[k], v) and result[k].dtype == v.dtype for k, v in expected.items()))
+        out.append((op, *got))
+    return out
+
+
+def test_merged_integer_reduces_wrap_as_each_dtype_does(gloo):
+    if gloo.world_size == 1:
+        pytest.skip("nothing wraps with one replica")
+    w = gloo.world_size
+    # merged: one all-reduce (int64 holds every value); apart: one per dtype
+    expected = [("sum", 1, True, 4, True), ("prod", 1, True, 4, True)]
+    expected += [("max", 1, True, 5, True), ("min", 1, True, 5, True)]
+    assert gloo.run(_wrapping, [None] * w) == [expected] * w
+
+
 def _count_unwidened(_):
     return _count_calls(5, widen=0)
 

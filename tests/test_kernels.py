@@ -23,8 +23,9 @@ _EXPONENT.update({torch.float16: 0x1F << 10, torch.bfloat16: 0xFF << 7})
 
 
 def _random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Every bit pattern is possible: NaNs with any payload and sign (every
-    fourth element, drawn at random so rarely), subnormals."""
+    """Every bit pattern is possible: NaNs with any payload and sign (about
+    one element in four, at random places: drawn bits are NaN too rarely),
+    subnormals."""
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
@@ -33,8 +34,8 @@ def _random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch
     t = torch.randint(info.min, info.max, shape, generator=g, dtype=carrier)
     if dtype not in _BITS:
         return t
-    nan = t.reshape(-1)[::4]
-    nan |= _EXPONENT[dtype] | 1
+    nan = torch.rand(shape, generator=g) < 0.25
+    t[nan] |= _EXPONENT[dtype] | 1
     return t.view(dtype)
 
 
