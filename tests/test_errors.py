@@ -161,25 +161,26 @@ def test_tree_with_an_unhashable_treespec(pool):
 
 
 def _bad_then_caught(_):
-    import gc
     import weakref
 
     x = torch.ones(2, device=device())
     alive, tree = weakref.ref(x), {"x": x, "y": [None, "nope"]}
     del x
-    gc.disable()  # (a cycle would keep the tensor until a collection)
+    caught = False
     try:
-        caught = False
-        try:
-            xcoll.reduce(tree)
-        except TypeError:
-            caught = True
-        del tree  # (after the except block: the error and its frames are gone)
-        if not caught:
-            return "returned"
-        return "raised, tensor freed" if alive() is None else "raised, tensor kept alive"
-    finally:
-        gc.enable()
+        xcoll.reduce(tree)
+    except TypeError:
+        caught = True
+    del tree  # (after the except block: the error and its frames are gone)
+    if not caught:
+        return "returned"
+    return "raised, tensor freed" if alive() is None else "raised, tensor kept alive"
+
+
+def _collector(on: bool) -> None:
+    import gc
+
+    gc.enable() if on else gc.disable()
 
 
 def test_a_failed_calls_tensors_do_not_join_the_next_graph():
@@ -188,6 +189,13 @@ def test_a_failed_calls_tensors_do_not_join_the_next_graph():
     # joined their next graph, the programs differed and XLA aborted (within
     # 40 rounds at W=4)
     pool = shared_pool("xla-cpu-4")
-    for _ in range(40):
-        assert pool.run(_bad_then_caught, [None] * 4) == ["raised, tensor freed"] * 4
-        assert pool.run(_ok) == list(range(4))
+    # The collector is off for all 40 rounds, set apart from them: it is one
+    # per process, and the 4 replicas are threads of one (a replica that turned
+    # it back on would let a collection free the others' kept tensors)
+    pool.run(_collector, [False] * 4)
+    try:
+        for _ in range(40):
+            assert pool.run(_bad_then_caught, [None] * 4) == ["raised, tensor freed"] * 4
+            assert pool.run(_ok) == list(range(4))
+    finally:
+        pool.run(_collector, [True] * 4)
