@@ -5,7 +5,6 @@ are buckets, one device-to-host transfer per packed buffer with to_cpu=True."""
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 import torch
@@ -118,25 +117,11 @@ CALLS = [
 ]
 
 
-def _settled(pool) -> dict:
-    """The pool's counters once they stop moving: torch_xla counts an execution
-    when it ends, on the device's thread, which can be just after the fetch
-    that waited for it has returned (seen: an execution of the setup's last
-    call counted in the next measurement, once in 4 full runs under load)."""
-    now = pool.run(counters)[0]
-    for _ in range(20):
-        time.sleep(0.05)
-        now, before = pool.run(counters)[0], now
-        if now == before:
-            break
-    return now
-
-
 def _delta(pool, fn, args=None, results=None):
     """The change in the pool's counters while every replica runs ``fn(args)``."""
-    before = _settled(pool)
+    before = pool.run(counters)[0]  # (settled: xcoll.testing.xla_counters)
     out = pool.run(fn, [args] * pool.world_size)
-    after = _settled(pool)
+    after = pool.run(counters)[0]
     if results is not None:
         results.extend(out)
     return {k: after[k] - before[k] for k in before}

@@ -113,14 +113,29 @@ def xla_cpu_env(world_size: int) -> dict[str, str]:
 
 def xla_counters() -> dict[str, int]:
     """Process-wide torch_xla counts: graph executions and compilations. Call it
-    from a replica; in a thread-per-device pool it counts all replicas."""
+    from a replica; in a thread-per-device pool it counts all replicas.
+
+    Read once they stop moving (two reads 50 ms apart agree, within 1 s):
+    torch_xla counts an execution when it ends, on the device's thread, which
+    can be just after the fetch that waited for it has returned, so a read
+    right after a call could miss it and the next read count it (seen in the
+    tests and the benchmark, under load)."""
     import torch_xla.debug.metrics as met
 
     def count(name: str) -> int:
         data = met.metric_data(name)
         return int(data[0]) if data else 0
 
-    return {"executions": count("ExecuteTime"), "compiles": count("CompileTime")}
+    def read() -> dict[str, int]:
+        return {"executions": count("ExecuteTime"), "compiles": count("CompileTime")}
+
+    now = read()
+    for _ in range(20):
+        time.sleep(0.05)
+        now, before = read(), now
+        if now == before:
+            break
+    return now
 
 
 class _SpawnedPool(ReplicaPool):
