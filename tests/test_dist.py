@@ -294,6 +294,43 @@ def test_sub_group():
         assert torch.equal(o["broadcast"]["v"], torch.tensor([2.0])) and o["broadcast"]["n"] == 2
 
 
+def _outside_a_subgroup(_):
+    group = dist.new_group([0, 1])  # every rank must take part in creating it
+    r = dist.get_rank()
+    x = {"v": torch.tensor([float(r)])}
+    if r in (0, 1):  # the members: they communicate with each other only
+        return xcoll.gather(x, group=group)["v"].tolist()
+    calls = {
+        "gather": lambda: xcoll.gather(x, group=group),
+        "reduce of scalars": lambda: xcoll.reduce({"n": r}, group=group),
+        "rank": lambda: xcoll.rank(group),
+        "gather_object": lambda: xcoll.gather_object(r, group=group),
+    }
+    raised = {}
+    for name, call in calls.items():
+        try:
+            raised[name] = ("returned", call())
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            raised[name] = (type(e).__name__, str(e))
+    return raised
+
+
+def test_a_rank_outside_a_subgroup_is_refused_before_communicating():
+    pool = shared_pool("gloo-4")
+    out = pool.run(_outside_a_subgroup, [None] * 4)
+    assert out[0] == out[1] == [0.0, 1.0]
+    for r in (2, 3):
+        for name, (kind, message) in out[r].items():
+            assert kind == "ValueError", (r, name, kind, message)
+            assert "NON_GROUP_MEMBER" in message and f"(global rank {r})" in message, message
+    # nothing was sent on the world or on the group: the pool goes on
+    assert pool.run(_world_sum, [None] * 4) == [4] * 4
+
+
+def _world_sum(_):
+    return xcoll.reduce({"n": 1})["n"]
+
+
 # ---- the same results on XLA and gloo ----------------------------------------------
 
 

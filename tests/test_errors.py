@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import device, shared_pool, to_cpu
+from tests.replicas import device, shared_pool, to_cpu, to_device
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -199,3 +199,153 @@ def test_a_failed_calls_tensors_do_not_join_the_next_graph():
             assert pool.run(_ok) == list(range(4))
     finally:
         pool.run(_collector, [True] * 4)
+
+
+# ---- a launched process without its world ---------------------------------------
+
+_LAUNCHED = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _world_of_one_calls():
+    return {
+        "gather": lambda: xcoll.gather({"x": torch.ones(1)}),
+        "reduce of scalars": lambda: xcoll.reduce({"n": 1}),
+        "rank": xcoll.rank,
+        "world_size": xcoll.world_size,
+        "gather_object": lambda: xcoll.gather_object(1),
+        "barrier": lambda: xcoll.barrier("t"),
+        "sync_rng_state": xcoll.sync_rng_state,
+    }
+
+
+@pytest.mark.parametrize(
+    "variable,rank,named",
+    [
+        ("WORLD_SIZE", "RANK", "rank 1 of 2 (torchrun's environment: WORLD_SIZE=2)"),
+        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "rank 1 of 2 (Open MPI's"),
+        ("PMI_SIZE", "PMI_RANK", "rank 1 of 2 (MPICH's"),
+    ],
+)
+def test_a_launched_process_without_a_process_group_raises(monkeypatch, variable, rank, named):
+    # (torchrun itself: tests/test_launchers.py) Each process would otherwise
+    # be a world of one and return its own values alone.
+    import torch.distributed as dist
+
+    from xcoll._backends import xla_runtime_running
+
+    assert not dist.is_initialized() and not xla_runtime_running()
+    for v in _LAUNCHED:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(variable, "2")
+    monkeypatch.setenv(rank, "1")
+    for name, call in _world_of_one_calls().items():
+        with pytest.raises(RuntimeError, match="torch.distributed.init_process_group") as e:
+            call()
+        assert named in str(e.value), (name, e.value)
+    monkeypatch.setenv(variable, "1")  # what the environment says, a world of one
+    assert xcoll.gather({"x": torch.ones(1)})["x"].tolist() == [1.0]
+    assert xcoll.world_size() == 1
+
+
+# ---- dict keys whose order no replica can match -----------------------------------
+
+
+class _Anon:
+    """A dict key without a repr of its own (``<... object at 0x...>``, the same
+    on every replica once the address is left out) or an order."""
+
+
+class _Named:
+    """A dict key that reads as its name but has no order."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"_Named({self.name!r})"
+
+
+def _metric_keys(kind, first_loss):
+    """{loss key: loss, acc key: acc}, inserted loss first or acc first."""
+    keys = (_Anon(), _Anon()) if kind == "anonymous" else (_Named("loss"), _Named("acc"))
+    items = list(zip(keys, ("loss", "acc"), strict=True))
+    return dict(items if first_loss else items[::-1])
+
+
+def _keyed(tree, mapping):
+    from collections import OrderedDict, defaultdict
+
+    if mapping == "OrderedDict":
+        return OrderedDict(tree)
+    if mapping == "defaultdict":
+        return defaultdict(list, tree)
+    return tree
+
+
+@pytest.mark.parametrize("mapping", ["dict", "OrderedDict", "defaultdict"])
+@pytest.mark.parametrize("fn", [xcoll.gather, xcoll.reduce, xcoll.broadcast])
+def test_keys_that_keep_insertion_order_and_read_the_same_are_refused(fn, mapping):
+    keys = _metric_keys("anonymous", first_loss=True)
+    tree = {"ok": 1.0, "m": [_keyed({k: torch.ones(1) for k in keys}, mapping)]}
+    with pytest.raises(TypeError, match=re.escape("tree['m'][0]: ")) as e:
+        fn(tree)
+    assert "two of them read <tests.test_errors._Anon object>" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [_Anon()],  # one: nothing to mix up
+        [_Named("loss"), _Named("acc")],  # named: the check sees their order
+        [_Anon(), 1, "a"],  # optree sorts them by type
+        [len, max],  # functions read as their names
+    ],
+    ids=["one", "named", "mixed types", "functions"],
+)
+def test_keys_that_can_be_told_apart_pass(keys):
+    tree = {k: torch.tensor([float(i)]) for i, k in enumerate(keys)}
+    out = xcoll.gather(tree)
+    assert [out[k].item() for k in keys] == [float(i) for i in range(len(keys))]
+
+
+def _metric_tree(args):
+    kind, where, r = args
+    if where == "rank 0" and r != 0:
+        tree = {"m": {"loss": torch.tensor([1.0 + r]), "acc": torch.tensor([10.0 + r])}}
+    else:  # the keys inserted in a different order on every other replica
+        keys = _metric_keys(kind, first_loss=r % 2 == 0)
+        values = {"loss": torch.tensor([1.0 + r]), "acc": torch.tensor([10.0 + r])}
+        tree = {"m": {k: values[name] for k, name in keys.items()}}
+    with xcoll.consistency_checks("always" if where != "guard" else "guard"):
+        xcoll.gather(to_device({"warm": 1.0}, device()))  # a consistent first call
+        xcoll.gather(to_device(tree, device()), to_cpu=True)
+    return "returned"
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2", "gloo-4"])
+@pytest.mark.parametrize(
+    "kind,where,raised",
+    [
+        ("anonymous", "every rank", "TypeError"),
+        ("anonymous", "rank 0", "TypeError"),
+        ("named", "every rank", "CollectiveMismatchError"),
+        ("named", "guard", "CollectiveMismatchError"),
+    ],
+)
+def test_dict_keys_in_a_different_order_never_swap_values(world, kind, where, raised):
+    # 'loss' and 'acc' inserted in a different order on each replica: keys that
+    # read the same are refused where they are (the others, with "always",
+    # quote the refusal); keys that read differently differ in the check
+    pool = shared_pool(world)
+    w = pool.world_size
+    failures = pool.run(_metric_tree, [(kind, where, r) for r in range(w)], return_exceptions=True)
+    for r, f in enumerate(failures):
+        assert f != "returned", (r, failures)
+        named = "tree['m']" if kind == "anonymous" else "_Named("
+        if where == "rank 0" and r != 0:
+            assert f.type_name.endswith("CollectiveMismatchError"), f
+            assert "rank 0" in f.message and "tree['m']: keys that cannot be sorted" in f.message
+        else:
+            assert f.type_name.endswith(raised), f
+            assert named in f.message, f
+    assert pool.run(_ok) == list(range(w))

@@ -17,7 +17,7 @@ import torch
 import xcoll
 from tests.replicas import device, shared_pool
 
-MISMATCH = "xcoll._check.CollectiveMismatchError"
+MISMATCH = "xcoll.CollectiveMismatchError"
 
 
 def later_case(name: str, odd: bool, dev):

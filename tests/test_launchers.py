@@ -257,3 +257,31 @@ def test_the_exit_abort_reproducer_runs_and_its_one_line_fix_exits_cleanly(tmp_p
     assert result.returncode == 0 or _ABORT in result.stderr, result.stderr[-3000:]
     for _ in range(3):
         torchrun(tmp_path, fixed)
+
+
+# torchrun's environment says 2 processes, but nothing joins them: each would
+# be a world of one, returning its own values alone.
+_NO_PROCESS_GROUP = _SAY + """
+import os, torch, xcoll
+calls = {
+    "gather": lambda: xcoll.gather({"x": torch.ones(1)}),
+    "gather_object": lambda: xcoll.gather_object(1),
+    "world_size": xcoll.world_size,
+}
+for name, call in calls.items():
+    try:
+        say("returned", name, call())
+    except RuntimeError as e:
+        say("raised", name, os.environ["RANK"], e)
+"""
+
+
+def test_torchrun_without_init_process_group_raises_on_every_process(tmp_path):
+    out = torchrun(tmp_path, _NO_PROCESS_GROUP).stdout.splitlines()
+    assert not [x for x in out if x.startswith("returned")], out
+    for name in ("gather", "gather_object", "world_size"):
+        for r in range(2):
+            started = f"rank {r} of 2 (torchrun's environment: WORLD_SIZE=2)"
+            lines = [x for x in out if x.startswith(f"raised {name} {r} ")]
+            assert len(lines) == 1 and started in lines[0], out
+            assert "call torch.distributed.init_process_group first" in lines[0], lines

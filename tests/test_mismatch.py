@@ -9,7 +9,7 @@ import torch
 import xcoll
 from tests.replicas import device, shared_pool
 
-MISMATCH = "xcoll._check.CollectiveMismatchError"
+MISMATCH = "xcoll.CollectiveMismatchError"
 
 
 def case(name: str, rank: int, last: bool, dev):
@@ -81,10 +81,14 @@ def test_every_replica_raises_and_the_pool_goes_on(world, name):
     assert [f.type_name for f in failures] == [others] * (w - 1) + [odd], failures
     for r, f in enumerate(failures):
         assert text in f.message, (r, f.message)
-        if f.type_name == MISMATCH:  # names this replica and the first disagreeing one
-            other = w - 1 if r < w - 1 else 0  # the last replica is the odd one
+        other = w - 1 if r < w - 1 else 0  # the last replica is the odd one
+        if f.type_name == MISMATCH and odd == MISMATCH:  # names both replicas' calls
             assert f"this replica (rank {r}) has" in f.message, (r, f.message)
             assert f"; rank {other} has" in f.message, (r, f.message)
+        elif f.type_name == MISMATCH:  # quotes the odd replica's own error
+            assert f": rank {other} raised before communicating ({odd.split('.')[-1]}: " in (
+                f.message
+            ), (r, f.message)
     assert pool.run(_ok, [None] * w) == [list(range(w))] * w
 
 

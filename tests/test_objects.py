@@ -73,6 +73,26 @@ def test_codec_refuses_with_the_path(obj, path):
     assert str(e.value).startswith(path)
 
 
+def test_codec_names_a_deep_path_by_its_ends():
+    deep = node = []
+    for _ in range(300):
+        node.append([])
+        node = node[0]
+    with pytest.raises(ValueError) as e:
+        xcoll.encode_object({"a": [deep]})
+    # the first and last few steps, not all 200 of them
+    assert str(e.value) == "obj['a'][0][0][0]...[0][0]: nested more than 200 levels deep"
+
+
+@given(OBJECTS, st.binary(min_size=1, max_size=20))
+def test_bytes_after_an_encoded_value_are_refused(obj, extra):
+    enc = xcoll.encode_object(obj)
+    with pytest.raises(ValueError, match="malformed xcoll encoding: .* after the value"):
+        xcoll.decode_object(enc + xcoll.encode_object(obj))  # two complete values
+    with pytest.raises(ValueError, match="malformed"):
+        xcoll.decode_object(enc + extra)
+
+
 @given(st.binary(max_size=200))
 def test_decoder_fuzz_raises_value_error_or_decodes(data):
     try:

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(xcoll.__file__).parent
 
 
 LAYERS = [
-    ["xcoll._memo", "xcoll._pack", "xcoll._wire", "xcoll._codec", "xcoll._watchdog"],
+    ["xcoll._memo", "xcoll._pack", "xcoll._wire", "xcoll._codec", "xcoll._watchdog", "xcoll._steps"],
     ["xcoll._tree"],
     ["xcoll._backends.base", "xcoll._backends._xlac", "xcoll._backends._launch"],
     ["xcoll._backends.xla", "xcoll._backends.dist"],

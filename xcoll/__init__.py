@@ -18,6 +18,7 @@ from ._guard import ConcurrentCallError
 from ._objects import barrier, broadcast_object, gather_object
 from ._rng import rng_state, set_rng_state, sync_rng_state
 from ._samples import by_index
+from ._steps import step
 
 __all__ = [
     "gather",
@@ -26,6 +27,7 @@ __all__ = [
     "rank",
     "world_size",
     "sync",
+    "step",
     "by_index",
     "gather_object",
     "broadcast_object",

@@ -19,7 +19,6 @@ host with a torch call per run of equal shapes after one fetch per call
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import _backends, _check, _guard, _memo, _pack, _tree, _watchdog, _wire
+from . import _backends, _check, _guard, _memo, _pack, _tree, _wire
 from ._backends.base import TORCH, Kernels, Transport
 
 OPS = ("sum", "mean", "max", "min", "prod")
@@ -516,11 +515,14 @@ def _prepare(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu:
     return _plans.get(op.key(flat, w), lambda: op.plan(flat, w))
 
 
-def call(op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = False) -> Any:
+def call(
+    op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
+) -> Any:
     """A public call: ``tree`` flattened once, its backend resolved once, the
     plan taken from the cache (or built, which validates), the consistency
     check when due (a local error is shared with every replica), then run
-    with the guard (``_guard``) unless the mode is "never"."""
+    with the guard (``_guard``) unless the mode is "never". ``tag``: the
+    call's own step tag (:mod:`xcoll._steps`)."""
     flat = transport = plan = error = None
     try:
         flat = _tree.flatten(tree)
@@ -541,7 +543,9 @@ def call(op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = Fal
     description = None if plan is None else plan.description
     unread = transport.lazy and not sync
     try:
-        with _guard.entered(transport, op.name, head, description, error, unread=unread) as sig:
+        with _guard.entered(
+            transport, op.name, head, description, error, unread=unread, tag=tag
+        ) as sig:
             return op.apply(flat, transport, plan, sync, to_cpu, sig)
     finally:
         # An error raised here has this frame in its traceback: cleared, the
@@ -653,10 +657,10 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
     del leaves
     joined = lay.joined
     if guard:
-        fp, how = signature.fingerprint(), op.how(buckets[0] if buckets else None, transport)
+        how = op.how(buckets[0] if buckets else None, transport)
         dtype = torch.int32 if op.joined else buckets[0].dtype
-        mine = _guard.header(fp, dtype, op.kind, how, w)
-        head = [_guard.uploaded(transport, fp, mine, op.kind)]
+        mine = signature.header(dtype, op.kind, how, w)
+        head = [signature.uploaded(transport, mine, op.kind)]
         if not op.joined:
             parts[0] = head + parts[0]
     if op.joined:
@@ -670,23 +674,10 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
     else:
         wires, sends = op.pack(transport.kernels, plan, lay, live, parts), buckets
     del parts
-    # (read here: on XLA the rank is per thread, and the watchdog has its own)
-    rank, name = transport.rank(), op.name if signature is None else signature.name
     # A one-sided verdict (a broadcast from src) is read after every
     # collective of the call: src cannot learn it, so the receivers take part
     # in all of them, as src does, and raise last.
     one_sided = guard and op.kind == "broadcast" and not how
-
-    def wait() -> None:
-        try:
-            transport.wait()  # eager engines started every collective asynchronously
-        except RuntimeError as e:  # e.g. gloo's timeout when a replica never arrives
-            raise RuntimeError(
-                f"{name}: a collective did not complete on rank {rank}: {e} "
-                "(a replica that never arrived, or that the engine stopped: gloo kills a rank "
-                "that receives a larger buffer than its own, as when replicas' calls differ; "
-                "XCOLL_CHECK=always names such a difference)"
-            ) from e
 
     def check(got: bytes, expected: bytes) -> None:
         # The same result on every replica, so the same verdict (_guard)
@@ -698,77 +689,71 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
         first = result.view(w, -1).narrow(1, 0, guard) if op.gathers else result[:guard]
         return _guard.as_bytes(transport.to_host([first])[0])
 
-    watch = (
-        _watchdog.watch(lambda seconds: _guard.diagnosis(rank, signature, seconds))
-        if guard and w > 1
-        else contextlib.nullcontext()
-    )
     late = None
-    with watch:
-        results = [op.send(transport, wires[0], sends[0], guard)]
-        if guard and not transport.lazy and not one_sided:
-            wait()  # checked before the call's other collectives start
-            check(arrived(results[0]), mine.wire)
-        results += [op.send(transport, x, b, 0) for x, b in zip(wires[1:], sends[1:], strict=True)]
-        del wires
-        wait()
-        if one_sided:
-            late = arrived(results[0])
-        # Each bucket's buffer is made on the engine's device: one computation
-        # on XLA, where every torch call of a replica thread can hand the GIL to
-        # another (docs/design.md). With to_cpu, a move's buffers come to the
-        # host in their integer wire form (a device's download of floats may
-        # change NaN payloads: torch_xla's float16 one does; a reduce's NaN are
-        # the quiet NaN, which every download keeps) and are cut there.
-        # Otherwise outputs are traced before the sync so that it materialises
-        # them; only they, the scalar blocks and the header stay referenced, so
-        # they alone become graph outputs.
-        header = None
+    results = [op.send(transport, wires[0], sends[0], guard)]
+    if guard and not transport.lazy and not one_sided:
+        transport.wait()  # checked before the call's other collectives start
+        check(arrived(results[0]), mine.wire)
+    results += [op.send(transport, x, b, 0) for x, b in zip(wires[1:], sends[1:], strict=True)]
+    del wires
+    transport.wait()  # eager engines started every collective asynchronously
+    if one_sided:
+        late = arrived(results[0])
+    # Each bucket's buffer is made on the engine's device: one computation
+    # on XLA, where every torch call of a replica thread can hand the GIL to
+    # another (docs/design.md). With to_cpu, a move's buffers come to the
+    # host in their integer wire form (a device's download of floats may
+    # change NaN payloads: torch_xla's float16 one does; a reduce's NaN are
+    # the quiet NaN, which every download keeps) and are cut there.
+    # Otherwise outputs are traced before the sync so that it materialises
+    # them; only they, the scalar blocks and the header stay referenced, so
+    # they alone become graph outputs.
+    header = None
+    if op.joined:
+        header, flats = _unjoin(
+            transport.kernels, lay, buckets, results, w if op.gathers else None, to_cpu
+        )
+    else:
+        flats = op.unpack(transport.kernels, plan, lay, live, results, w)
+    del results
+    if to_cpu:
+        flats = transport.sync_and_fetch(flats + ([header] if header is not None else []))
+        header = flats.pop() if header is not None else None
         if op.joined:
-            header, flats = _unjoin(
-                transport.kernels, lay, buckets, results, w if op.gathers else None, to_cpu
-            )
-        else:
-            flats = op.unpack(transport.kernels, plan, lay, live, results, w)
-        del results
-        if to_cpu:
-            flats = transport.sync_and_fetch(flats + ([header] if header is not None else []))
-            header = flats.pop() if header is not None else None
-            if op.joined:
-                flats = [
-                    _wire.decode_move(f, b.dtype, TORCH.bitcast)
-                    for f, b in zip(flats, buckets, strict=True)
-                ]
-            pieces = TORCH.split(flats, shapes, casts)
-        else:
-            pieces = transport.kernels.split(flats, shapes, casts) if flats else []
-        del flats
-        if guard and not op.joined:  # the header's piece of bucket 0
-            header = pieces[0].pop(0)
-        if not transport.lazy:  # (eager engines checked its wire form)
-            header = None
-        if header is not None and to_cpu:
-            check(_guard.as_bytes(header), mine.decoded)
-            header = None
-        # Only the outputs and the scalar blocks may stay referenced at the sync: a
-        # piece that was finished (moved) would become a graph output of its own.
-        blocks = [
-            bucket_pieces[-1] for b, bucket_pieces in zip(buckets, pieces, strict=True) if b.scalars
-        ]
-        for b, bucket_pieces in zip(buckets, pieces, strict=True):
-            _place(op, plan, b, bucket_pieces, out, w)
-        del pieces
-        bucket_pieces = None
-        if not to_cpu:
-            fetch = blocks + ([header] if header is not None else [])
-            if sync and fetch:
-                blocks = transport.sync_and_fetch(fetch)
-            elif sync:
-                transport.sync()
-            elif fetch:
-                blocks = transport.to_host(fetch)
-            if header is not None:
-                check(_guard.as_bytes(blocks.pop()), mine.decoded)
+            flats = [
+                _wire.decode_move(f, b.dtype, TORCH.bitcast)
+                for f, b in zip(flats, buckets, strict=True)
+            ]
+        pieces = TORCH.split(flats, shapes, casts)
+    else:
+        pieces = transport.kernels.split(flats, shapes, casts) if flats else []
+    del flats
+    if guard and not op.joined:  # the header's piece of bucket 0
+        header = pieces[0].pop(0)
+    if not transport.lazy:  # (eager engines checked its wire form)
+        header = None
+    if header is not None and to_cpu:
+        check(_guard.as_bytes(header), mine.decoded)
+        header = None
+    # Only the outputs and the scalar blocks may stay referenced at the sync: a
+    # piece that was finished (moved) would become a graph output of its own.
+    blocks = [
+        bucket_pieces[-1] for b, bucket_pieces in zip(buckets, pieces, strict=True) if b.scalars
+    ]
+    for b, bucket_pieces in zip(buckets, pieces, strict=True):
+        _place(op, plan, b, bucket_pieces, out, w)
+    del pieces
+    bucket_pieces = None
+    if not to_cpu:
+        fetch = blocks + ([header] if header is not None else [])
+        if sync and fetch:
+            blocks = transport.sync_and_fetch(fetch)
+        elif sync:
+            transport.sync()
+        elif fetch:
+            blocks = transport.to_host(fetch)
+        if header is not None:
+            check(_guard.as_bytes(blocks.pop()), mine.decoded)
     scalar_buckets = [b for b in buckets if b.scalars]
     for b, block in zip(scalar_buckets, blocks, strict=True):
         for j, s in enumerate(b.scalars):

@@ -44,6 +44,9 @@ class CollectiveMismatchError(RuntimeError):
     """Replicas made different collective calls; raised on every replica."""
 
 
+CollectiveMismatchError.__module__ = "xcoll"  # where users import it from
+
+
 @contextlib.contextmanager
 def consistency_checks(mode: str) -> Iterator[None]:
     """Checks calls made in this block (on this thread) in ``mode``:
@@ -118,7 +121,7 @@ def describe(
         else:
             what = f"Python {type(leaf).__name__}"
         lines.append(f"{path}: {what}" + (f" op={ops[i]}" if ops else ""))
-    lines.append(str(flat.treespec))
+    lines.append(f"structure: {flat.treespec}")
     return Description(tuple(_tree.ADDRESS.sub("", line) for line in lines))
 
 
@@ -128,15 +131,17 @@ def verify(
     head: str,
     body: Description | None = None,
     error: Exception | None = None,
+    tag: str = "",
 ) -> None:
-    """Compares this replica's call (``head``: its parameters, ``body``: its
-    tree, or the local ``error`` that stopped it) with every replica's. Raises
-    on every replica if any differs: :class:`CollectiveMismatchError`, or the
-    local error (extended with the first difference) where there was one."""
+    """Compares this replica's call (``name``, its step ``tag``, ``head``: its
+    parameters, ``body``: its tree, or the local ``error`` that stopped it)
+    with every replica's. Raises on every replica if any differs:
+    :class:`CollectiveMismatchError`, or the local error (extended with the
+    first difference) where there was one."""
+    lines = [f"call {name}", f"tag: {tag or '(none)'}", f"parameters: {head or '(none)'}"]
     if error is not None:  # named first: it is what the other replicas should see
-        lines, body = (name, f"error: {type(error).__name__}: {error}", head), Description(())
-    else:
-        lines = (name, head)
+        lines.insert(1, f"error: {type(error).__name__}: {error}")
+        body = Description(())
     assert body is not None
     digest = _exchange.sha256("\n".join([*lines, body.digest.hex()]))
     differ = _exchange.differing(transport, digest)
@@ -147,16 +152,26 @@ def verify(
     every = _exchange.gather_bytes(transport, "\n".join(mine).encode("utf-8", "surrogatepass"))
     assert every is not None
     theirs = every[other].decode("utf-8", "surrogatepass").split("\n")
+    message = f"{name}: {_difference(transport, mine, theirs, other)}"
+    if error is None:
+        raise CollectiveMismatchError(message)
+    raise type(error)(f"{error} [{message}]") from error
+
+
+def _difference(transport: Transport, mine: list[str], theirs: list[str], other: int) -> str:
+    """The first line where two replicas' descriptions differ, as a sentence."""
     at = next(
         (k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
         min(len(mine), len(theirs)),
     )
-    here = mine[at] if at < len(mine) else "(no more leaves)"
-    there = theirs[at] if at < len(theirs) else "(no more leaves)"
-    message = (
-        f"{name}: replicas disagree (first difference, item {at}): "
-        f"this replica (rank {transport.rank()}) has {here}; rank {other} has {there}"
+    here = mine[at] if at < len(mine) else "no more leaves"
+    there = theirs[at] if at < len(theirs) else "no more leaves"
+    me, them = transport.rank_name(transport.rank()), transport.rank_name(other)
+    if there.startswith("error: "):
+        return f"{them} raised before communicating ({there.removeprefix('error: ')})"
+    if here.startswith("error: "):
+        return f"this replica ({me}) raised before communicating; {them} did not"
+    return (
+        f"replicas made different calls; the first difference: this replica ({me}) has "
+        f"{here}; {them} has {there}"
     )
-    if error is None:
-        raise CollectiveMismatchError(message)
-    raise type(error)(f"{error} [{message}]") from error

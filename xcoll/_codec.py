@@ -32,13 +32,30 @@ def encode(obj: Any) -> bytes:
     {'a': (1, -0.0, None), 2: [b'x', 'é', 1000000000000000000000000000000]}
     """
     out = bytearray()
-    _encode(obj, out, "obj", 0)
+    _encode(obj, out, None, 0)
     return bytes(out)
 
 
-def _encode(obj: Any, out: bytearray, path: str, depth: int) -> None:
+# Where ``_encode`` is: None at the root, else (the parent's place, a format
+# for this step, its key or index). Written out only for an error.
+_Place = tuple | None
+
+
+def _path(at: _Place) -> str:
+    """``at`` as a Python expression from ``obj``; past 8 steps only the first
+    and last few (a full path is as long as the value is deep)."""
+    steps = []
+    while at is not None:
+        at, step, key = at
+        steps.append(step.format(key))
+    steps.reverse()
+    shown = steps if len(steps) <= 8 else (*steps[:4], "...", *steps[-2:])
+    return "obj" + "".join(shown)
+
+
+def _encode(obj: Any, out: bytearray, at: _Place, depth: int) -> None:
     if depth > MAX_DEPTH:
-        raise ValueError(f"{path}: nested more than {MAX_DEPTH} levels deep")
+        raise ValueError(f"{_path(at)}: nested more than {MAX_DEPTH} levels deep")
     t = type(obj)
     if obj is None:
         out.append(_NONE)
@@ -61,29 +78,31 @@ def _encode(obj: Any, out: bytearray, path: str, depth: int) -> None:
         out.append(_LIST if t is list else _TUPLE)
         out += _LEN.pack(len(obj))
         for i, item in enumerate(obj):
-            _encode(item, out, f"{path}[{i}]", depth + 1)
+            _encode(item, out, (at, "[{!r}]", i), depth + 1)
     elif t is dict:
         out.append(_DICT)
         out += _LEN.pack(len(obj))
         for key, value in obj.items():
             if type(key) not in (str, int):
                 raise TypeError(
-                    f"{path}: dict key {key!r} of type {type(key).__qualname__}; keys must be str or int"
+                    f"{_path(at)}: dict key {key!r} of type {type(key).__qualname__}; "
+                    "keys must be str or int"
                 )
-            _encode(key, out, f"{path} key {key!r}", depth + 1)
-            _encode(value, out, f"{path}[{key!r}]", depth + 1)
+            _encode(key, out, (at, " key {!r}", key), depth + 1)
+            _encode(value, out, (at, "[{!r}]", key), depth + 1)
     else:
         raise TypeError(
-            f"{path}: cannot encode {t.__qualname__}; xcoll's codec takes None, bool, int, "
-            "float, str, bytes, and lists, tuples and dicts of them"
+            f"{_path(at)}: cannot encode {t.__qualname__}; xcoll's codec takes None, bool, "
+            "int, float, str, bytes, and lists, tuples and dicts of them"
         )
 
 
 def decode(data: bytes) -> Any:
     """The value :func:`encode` made; ``ValueError`` if ``data`` is not exactly one."""
-    value, end = _decode(memoryview(bytes(data)), 0, 0)
-    if end != len(data):
-        raise ValueError(f"malformed xcoll encoding: {len(data) - end} bytes after the value")
+    buf = memoryview(bytes(data))  # (its length in bytes, whatever ``data``'s item size)
+    value, end = _decode(buf, 0, 0)
+    if end != len(buf):
+        raise ValueError(f"malformed xcoll encoding: {len(buf) - end} byte(s) after the value")
     return value
 
 

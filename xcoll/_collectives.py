@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _backends, _call, _uneven
+from . import _backends, _call, _uneven, _watchdog
 
 
 def gather(
@@ -22,6 +22,7 @@ def gather(
     uneven: bool = False,
     max_size: int | None = None,
     group: Any = None,
+    tag: str | int | None = None,
 ) -> Any:
     """Every replica's leaves, concatenated along ``dim`` in rank order.
 
@@ -38,6 +39,10 @@ def gather(
     graph (tensor leaves only; on eager backends the call completes anyway).
     ``group`` selects a torch.distributed process group (default: the default
     group); the backend follows from the leaves' device (see docs/design.md).
+    ``tag`` (a str or an int) names the call, with any :func:`xcoll.step`
+    around it: the replicas' tags must match, or every replica raises
+    :class:`xcoll.CollectiveMismatchError` naming both (a replica that skipped
+    a call is named at its next one; docs/reliability.md).
 
     ``uneven=True`` lets tensor leaves differ in size along ``dim`` between
     replicas (other dims and dtypes must match); the result holds exactly every
@@ -58,10 +63,17 @@ def gather(
         op: _call.Op = _uneven.UnevenGather(dim, max_size, stack)
     else:
         op = _call.Gather(dim, stack)
-    return _call.call(op, tree, group, sync=sync, to_cpu=to_cpu)
+    return _call.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
 
-def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) -> Any:
+def reduce(
+    tree: Any,
+    op: Any = "sum",
+    *,
+    sync: bool = True,
+    group: Any = None,
+    tag: str | int | None = None,
+) -> Any:
     """The elementwise reduction of every replica's leaves.
 
     ``op`` is one of ``"sum" "mean" "max" "min" "prod"``, or an optree prefix tree of
@@ -70,7 +82,7 @@ def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) 
     does; float16 and bfloat16 sums, products and means accumulate in float32 and
     are rounded once. Refused, before any communication: mean of integers or
     bools, sum of bools (use ``"max"`` for any, ``"min"`` for all, or sum
-    ``x.int()`` to count). ``group`` as in :func:`gather`.
+    ``x.int()`` to count). ``group`` and ``tag`` as in :func:`gather`.
 
     The input is left unmodified; outputs are new tensors that never require grad.
 
@@ -78,15 +90,22 @@ def reduce(tree: Any, op: Any = "sum", *, sync: bool = True, group: Any = None) 
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
     {'loss': tensor(0.5000), 'n': 4}
     """
-    return _call.call(_call.Reduce(op), tree, group, sync=sync)
+    return _call.call(_call.Reduce(op), tree, group, sync=sync, tag=tag)
 
 
-def broadcast(tree: Any, *, src: int = 0, sync: bool = True, group: Any = None) -> Any:
+def broadcast(
+    tree: Any,
+    *,
+    src: int = 0,
+    sync: bool = True,
+    group: Any = None,
+    tag: str | int | None = None,
+) -> Any:
     """Replica ``src``'s leaves, bit for bit, on every replica.
 
     Values of the other replicas (NaN included) never reach the result; their
     leaves only need the same shapes and dtypes as ``src``'s. ``src`` is a rank in
-    ``group`` (as in :func:`gather`).
+    ``group`` (``group`` and ``tag`` as in :func:`gather`).
 
     The input is left unmodified; outputs are new tensors that never require grad.
 
@@ -94,7 +113,7 @@ def broadcast(tree: Any, *, src: int = 0, sync: bool = True, group: Any = None) 
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
     {'seed': 7, 'w': tensor([1., 1.])}
     """
-    return _call.call(_call.Broadcast(src), tree, group, sync=sync)
+    return _call.call(_call.Broadcast(src), tree, group, sync=sync, tag=tag)
 
 
 def rank(group: Any = None) -> int:
@@ -119,6 +138,20 @@ def sync() -> None:
     On XLA this is ``torch_xla.sync()`` under xcoll's process-wide lock, which
     thread-per-device replicas (XLA:CPU, older TPUs) need to avoid compiling the
     same graph once per thread, followed by a wait for this replica's execution;
-    elsewhere it does nothing.
+    elsewhere it does nothing. A wait of more than a few seconds (a replica
+    that skipped a call) prints xcoll's diagnosis to stderr.
     """
-    _backends.current().sync()
+    transport = _backends.current()
+    if transport.world_size() == 1:
+        transport.sync()
+        return
+    with _watchdog.watch(_waited):
+        transport.sync()
+
+
+def _waited(seconds: float) -> str:
+    return (
+        f"xcoll: xcoll.sync has waited {seconds:.0f} s: the pending collectives of calls made "
+        "with sync=False wait for a replica that has not made the same calls (it skipped one, "
+        "or raised before it); the engine then times out or aborts the process"
+    )

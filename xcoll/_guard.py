@@ -39,13 +39,14 @@ buffer (gloo, when sizes differ), the front is what arrives.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import _check, _exchange, _memo, _wire
-from ._backends.base import TORCH, Transport
+from . import _check, _exchange, _memo, _steps, _watchdog, _wire
+from ._backends.base import TORCH, EngineError, Transport
 
 BITS = 64
 #: The most replicas whose header sums are exact in every dtype (8-bit integers
@@ -55,15 +56,35 @@ EXACT_SUMS = 255
 
 @dataclass(frozen=True)
 class Signature:
-    """What a call's replicas must agree on: its function, parameters and tree."""
+    """What a call's replicas must agree on: its function, tag, parameters and tree."""
 
     name: str
     head: str
     description: _check.Description
+    #: The call's step tag (:mod:`xcoll._steps`), "" for an untagged call.
+    tag: str = ""
 
     def fingerprint(self) -> bytes:
         key = (self.name, self.head, self.description.digest)
-        return _fingerprints.get(key, lambda: _exchange.sha256("\n".join(key[:2] + (key[2].hex(),))))
+        base = _fingerprints.get(key, lambda: _exchange.sha256("\n".join(key[:2] + (key[2].hex(),))))
+        # (a tag changes from call to call: its fingerprint is not kept)
+        return _exchange.sha256(base.hex() + "\n" + self.tag) if self.tag else base
+
+    def header(self, dtype: torch.dtype, kind: str, how: str, world: int) -> Header:
+        """The call's :class:`Header` (kept per signature, unless tagged)."""
+        key = (self.fingerprint(), dtype, kind, how, world)
+        return _build(*key) if self.tag else _headers.get(key, lambda: _build(*key))
+
+    def uploaded(self, transport: Transport, h: Header, kind: str) -> torch.Tensor:
+        """``h.part`` on ``transport``'s device, uploaded once per untagged
+        signature: as data, so that replicas with different headers trace the
+        same program."""
+        if h.part.device == transport.device:
+            return h.part
+        if self.tag:
+            return transport.upload(h.part)
+        key = (self.fingerprint(), h.part.dtype, kind, str(transport.device))
+        return _uploads.get(key, lambda: transport.upload(h.part))
 
 
 _fingerprints: _memo.Memo[bytes] = _memo.Memo()
@@ -91,34 +112,30 @@ class Header:
 _headers: _memo.Memo[Header] = _memo.Memo(locked=True)
 
 
-def header(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: int) -> Header:
+def _build(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: int) -> Header:
     """The :class:`Header` of a collective of ``kind`` ("gather", "broadcast"
     or "reduce"), combined by ``how`` (the all-reduce's op, "sum" for a
-    broadcast that sums, "" for one that arrives from ``src``), built once.
-    Moves carry the bits as 0/1 in the wire integers (a float bucket holds
-    their bits); a reduce as the values 0 and 1, which every op keeps exact."""
-
-    def build() -> Header:
-        bits = [(byte >> k) & 1 for byte in fingerprint[: BITS // 8] for k in range(8)]
-        values = bits if kind == "gather" else [*bits, *(1 - b for b in bits)]
-        if kind == "reduce":
-            part = torch.tensor(values, dtype=dtype)
-            wire = _wire.encode_reduce(part.clone(), how, TORCH.bitcast)
-        else:
-            wire = torch.tensor(values, dtype=_wire.wire_dtype(dtype))
-            part = _wire.decode_move(wire, dtype, TORCH.bitcast)
-        # every replica's the same: what the collective gives
-        if kind == "gather":
-            wire = wire.expand(world, -1)
-        elif how == "sum":
-            wire = wire * world
-        if kind == "reduce":
-            decoded = _wire.decode_reduce(wire.clone(), dtype, how, TORCH.bitcast)
-        else:
-            decoded = _wire.decode_move(wire, dtype, TORCH.bitcast)
-        return Header(part, as_bytes(wire), as_bytes(decoded))
-
-    return _headers.get((fingerprint, dtype, kind, how, world), build)
+    broadcast that sums, "" for one that arrives from ``src``). Moves carry
+    the bits as 0/1 in the wire integers (a float bucket holds their bits); a
+    reduce as the values 0 and 1, which every op keeps exact."""
+    bits = [(byte >> k) & 1 for byte in fingerprint[: BITS // 8] for k in range(8)]
+    values = bits if kind == "gather" else [*bits, *(1 - b for b in bits)]
+    if kind == "reduce":
+        part = torch.tensor(values, dtype=dtype)
+        wire = _wire.encode_reduce(part.clone(), how, TORCH.bitcast)
+    else:
+        wire = torch.tensor(values, dtype=_wire.wire_dtype(dtype))
+        part = _wire.decode_move(wire, dtype, TORCH.bitcast)
+    # every replica's the same: what the collective gives
+    if kind == "gather":
+        wire = wire.expand(world, -1)
+    elif how == "sum":
+        wire = wire * world
+    if kind == "reduce":
+        decoded = _wire.decode_reduce(wire.clone(), dtype, how, TORCH.bitcast)
+    else:
+        decoded = _wire.decode_move(wire, dtype, TORCH.bitcast)
+    return Header(part, as_bytes(wire), as_bytes(decoded))
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
@@ -127,15 +144,6 @@ def as_bytes(t: torch.Tensor) -> bytes:
 
 
 _uploads: _memo.Memo[torch.Tensor] = _memo.Memo(locked=True)
-
-
-def uploaded(transport: Transport, fingerprint: bytes, h: Header, kind: str) -> torch.Tensor:
-    """``h.part`` on ``transport``'s device, uploaded once: as data, so that
-    replicas with different headers trace the same program."""
-    if h.part.device == transport.device:
-        return h.part
-    key = (fingerprint, h.part.dtype, kind, str(transport.device))
-    return _uploads.get(key, lambda: transport.upload(h.part))
 
 
 def fire(
@@ -151,22 +159,21 @@ def fire(
     broadcast), which exchanges nothing (``src`` has returned); the error
     keeps what arrived as ``received``, for a caller whose protocol goes on."""
     s = signature
-    rank = transport.rank()
+    rank = transport.rank_name(transport.rank())
     if s is None:  # this replica runs in mode "never", others do not
         raise _check.CollectiveMismatchError(
-            f"rank {rank}: the replicas' calls differ, or their XCOLL_CHECK modes do (this "
+            f"{rank}: the replicas' calls differ, or their XCOLL_CHECK modes do (this "
             "replica's is \"never\"; every replica must use the same mode)"
         )
     if src is not None:
         error = _check.CollectiveMismatchError(
-            f"{s.name}: this replica's call (rank {rank}: {s.head}; {_summary(s.description)}) "
-            f"differs from the call of src, rank {src}; run with XCOLL_CHECK=always to name "
-            "the difference"
+            f"{s.name}: this replica's call ({rank}: {_summary(s)}) differs from the call of "
+            f"src, {transport.rank_name(src)}; run with XCOLL_CHECK=always to name the difference"
         )
         error.received = received  # type: ignore[attr-defined]
         raise error
     try:
-        _check.verify(transport, s.name, s.head, s.description)
+        _check.verify(transport, s.name, s.head, s.description, tag=s.tag)
     except RuntimeError as e:
         if isinstance(e, _check.CollectiveMismatchError):
             raise
@@ -174,47 +181,57 @@ def fire(
         # is smaller than the one it receives) cannot take part
         raise _check.CollectiveMismatchError(
             f"{s.name}: the replicas' calls differ (the guard's fingerprints disagree on "
-            f"rank {rank}: {s.head}; {_summary(s.description)}); naming the difference "
-            f"failed: {e}"
+            f"{rank}: {_summary(s)}); naming the difference failed: {e}"
         ) from e
     raise _check.CollectiveMismatchError(
-        f"{s.name}: the guard's fingerprints disagree on rank {rank}, but the replicas' "
+        f"{s.name}: the guard's fingerprints disagree on {rank}, but the replicas' "
         "descriptions agree: their XCOLL_CHECK modes differ, a call overlapped another on "
         "this process group, or a header changed in transit"
     )
 
 
-def _summary(description: _check.Description) -> str:
-    lines = description.lines
-    if not lines:
-        return "no tree"
-    shown = "; ".join(lines[:3]) + ("; ..." if len(lines) > 3 else "")
-    return f"{len(lines) - 1} leaves: {shown}"
+def _summary(s: Signature) -> str:
+    """The call in a line: its tag, parameters and first leaves."""
+    lines = s.description.lines
+    leaves = (
+        f"{len(lines) - 1} leaves: " + "; ".join(lines[:3]) + ("; ..." if len(lines) > 4 else "")
+        if len(lines) > 1
+        else "no leaves"
+    )
+    return f"tag: {s.tag or '(none)'}; parameters: {s.head or '(none)'}; {leaves}"
 
 
-def diagnosis(rank: int, signature: Signature, seconds: float) -> str:
-    """What the watchdog prints when a call's collectives have waited ``seconds``
-    (``rank``: read on the replica's thread; on XLA the rank is per thread)."""
-    s = signature
+def diagnosis(rank: str, signature: Signature, seconds: float) -> str:
+    """What the watchdog prints when a call has waited ``seconds`` for the
+    other replicas (``rank``: named on the replica's thread; on XLA the rank
+    is per thread)."""
     return (
-        f"xcoll: {s.name} on rank {rank} has waited {seconds:.0f} s for its "
-        "collectives. If the replicas made different calls, the engine may hang or abort "
-        f"the process. This replica's call: {s.head}; {_summary(s.description)}; "
-        f"description {s.description.digest.hex()[:16]}. Run with XCOLL_CHECK=always to "
-        "name the difference."
+        f"xcoll: {signature.name} on {rank} has waited {seconds:.0f} s for the other replicas. "
+        "A replica that skipped this call (its code raised before it), is still in an earlier "
+        "one or made a different call leaves the others waiting: the engine then times out or "
+        f"aborts the process. This replica's call: {_summary(signature)}; description "
+        f"{signature.description.digest.hex()[:16]}. Tag the calls (tag=, xcoll.step) to name "
+        "a skipped one; XCOLL_CHECK=always names a differing one."
     )
 
 
 class ConcurrentCallError(_check.CollectiveMismatchError):
-    """Two threads of one process called xcoll on one process group at once."""
+    """Two threads of one process called xcoll on one process group at once;
+    the group is unusable from then on (:class:`exclusive`)."""
+
+
+ConcurrentCallError.__module__ = "xcoll"
 
 
 class entered:
-    """A public call's entry: :class:`exclusive` on its group, the full check
-    when due (raising the call's local ``error``, shared with every replica),
-    then, as the block's value, the call's :class:`Signature` for its guard
-    (None in mode "never", or where the call's results are ``unread`` before
-    it returns: such a call is checked in full first)."""
+    """A public call's entry, around everything it does: :class:`exclusive`
+    on its group, its step tag (:mod:`xcoll._steps`), the watchdog, the full
+    check when due (raising the call's local ``error``, shared with every
+    replica), and, on the way out, the engine's failure to complete a
+    collective in xcoll's words. The block's value is the call's
+    :class:`Signature` for its guard (None in mode "never", or where the
+    call's results are ``unread`` before it returns: such a call is checked
+    in full first)."""
 
     def __init__(
         self,
@@ -225,41 +242,75 @@ class entered:
         error: Exception | None = None,
         *,
         unread: bool = False,
+        tag: Any = None,
     ):
         self.transport, self.name, self.head = transport, name, head
         self.description, self.error, self.unread = description, error, unread
+        self.explicit = tag
         self.busy = exclusive(transport, name)
+        self.watch: _watchdog.watch | None = None
 
     def __enter__(self) -> Signature | None:
         mode = _check.mode()
-        error, self.error = self.error, None  # (see the finally below)
+        t, error, self.error = self.transport, self.error, None  # (see the finally below)
         self.busy.__enter__()
         try:
-            t, d = self.transport, self.description
+            try:
+                tag = _steps.tag(t.group_key, self.explicit)
+            except TypeError as e:
+                tag, error = "", error or e
+            d = self.description or _check.Description(())
+            signature = Signature(self.name, self.head, d, tag)
+            if t.world_size() > 1:
+                # (the rank is read here: on XLA it is per thread)
+                rank = t.rank_name(t.rank())
+                self.watch = _watchdog.watch(lambda seconds: diagnosis(rank, signature, seconds))
+                self.watch.__enter__()
             # (beyond EXACT_SUMS replicas a guard header summed in 8-bit
             # integers could wrap: every call is then checked in full too)
             full = self.unread or t.world_size() > EXACT_SUMS
             if _check.due(t, mode) or (full and mode != "never"):
-                _check.verify(t, self.name, self.head, d, error)
+                _check.verify(t, self.name, self.head, self.description, error, tag)
             if error is not None:
                 raise error
-        except BaseException:
-            self.busy.__exit__(None, None, None)
+        except BaseException as e:
+            self._leave(e)
             raise
         finally:
             # the error's traceback holds this frame: without this, the frame
             # would hold the error (a cycle), and with it the call's tensors
             error = None  # noqa: F841
-        assert d is not None
-        return None if mode == "never" or self.unread else Signature(self.name, self.head, d)
+        return None if mode == "never" or self.unread else signature
 
     def __exit__(self, kind, value, traceback) -> None:
-        self.busy.__exit__(kind, value, traceback)
+        self._leave(value)
+
+    def _leave(self, error: BaseException | None) -> None:
+        if self.watch is not None:
+            self.watch.__exit__()
+            self.watch = None
+        self.busy.__exit__(type(error) if error else None, error, None)
+        if isinstance(error, EngineError):
+            t = self.transport
+            raise RuntimeError(
+                f"{self.name}: a collective did not complete on {t.rank_name(t.rank())}: {error} "
+                "(a replica that never arrived, or that the engine stopped. A replica whose code "
+                "raised before this call, and that went on, is one call behind: tag the calls "
+                "(tag=, xcoll.step) to name it. gloo kills a rank that receives a larger buffer "
+                "than its own, as when replicas' calls differ: XCOLL_CHECK=always names such a "
+                "difference)"
+            ) from error
 
 
 # group_key -> [the calling thread's ident, whether another call overlapped it]
 _busy: dict = {}
 _busy_lock = threading.Lock()
+# The groups on which two threads' calls overlapped: unusable from then on, on
+# this process (:class:`exclusive`). torch.distributed groups by the group
+# object, weakly (a new group, even one with the same name, is usable); other
+# engines' groups by key, for the life of the process.
+_unusable_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_unusable_keys: dict = {}
 
 
 class exclusive:
@@ -267,8 +318,15 @@ class exclusive:
     call that starts while another thread's is in flight on the same group
     raises :class:`ConcurrentCallError` at once, without communicating, and so
     does the call it overlapped, when it ends (collectives are paired by order
-    on each process, and two threads' order is not defined). A world of one
-    has nothing to pair."""
+    on each process, and two threads' order is not defined).
+
+    From then on this process makes no collective on that group: every call
+    raises :class:`ConcurrentCallError` at once. On the other replicas, whose
+    threads may have called one after the other, the calls that follow wait
+    for this one and fail with the engine's timeout, instead of pairing with
+    the wrong call; only a call already paired when the overlap was seen may
+    have met the other thread's call here (tag each thread's calls, and the
+    guard names that too). A world of one has nothing to pair."""
 
     def __init__(self, transport: Transport, name: str):
         self.transport, self.name = transport, name
@@ -280,16 +338,26 @@ class exclusive:
             return
         key, me = t.group_key, threading.get_ident()
         with _busy_lock:
+            why = _unusable(t)
+            if why:
+                raise ConcurrentCallError(
+                    f"{self.name}: {t.rank_name(t.rank())} made no collective: this process "
+                    f"group is unusable since {why}; the other replicas' calls may have been "
+                    "paired differently. Make a new process group (on XLA, restart the "
+                    "replicas), and call from one thread at a time"
+                )
             entry = _busy.get(key)
             if entry is not None and entry[0] == me:  # a call within this thread's own call
                 return
             if entry is not None:
                 entry[1] = True
+                _mark_unusable(t, f"two threads' calls overlapped on {t.rank_name(t.rank())}")
                 raise ConcurrentCallError(
-                    f"{self.name}: called on rank {t.rank()} from thread "
+                    f"{self.name}: called on {t.rank_name(t.rank())} from thread "
                     f"{threading.current_thread().name!r} while another thread has a call in "
                     "flight on the same process group; calls on one group must come from one "
-                    "thread at a time, in the same order on every replica"
+                    "thread at a time, in the same order on every replica. The group is "
+                    "unusable from now on: make a new one (on XLA, restart the replicas)"
                 )
             self.entry = _busy[key] = [me, False]
 
@@ -302,7 +370,22 @@ class exclusive:
         if entry[1] and kind is None:
             raise ConcurrentCallError(
                 f"{self.name}: another thread called xcoll on the same process group while "
-                f"this call (rank {self.transport.rank()}, thread "
+                f"this call ({self.transport.rank_name(self.transport.rank())}, thread "
                 f"{threading.current_thread().name!r}) was in flight; its result may be paired "
-                "with that call's on other replicas"
+                "with that call's on other replicas. The group is unusable from now on"
             )
+
+
+def _unusable(t: Transport) -> str | None:
+    group = t.group_object
+    if group is not None:
+        return _unusable_groups.get(group)
+    return _unusable_keys.get(t.group_key)
+
+
+def _mark_unusable(t: Transport, why: str) -> None:
+    group = t.group_object
+    if group is not None:
+        _unusable_groups[group] = why
+    else:
+        _unusable_keys[t.group_key] = why

@@ -29,24 +29,26 @@ def _raise_for(failed: list[int], mine: Exception | None, what: str) -> None:
     raise ValueError(f"{what}: replica(s) {failed} could not encode their object (see their error)")
 
 
-def _entered(name: str, head: str, group: Any, error: Exception | None = None):
+def _entered(name: str, head: str, group: Any, tag: Any, error: Exception | None = None):
     """The call's entry (:func:`xcoll._guard.entered`) on its transport."""
     transport = _backends.current(group)
-    return transport, _guard.entered(transport, name, head, _check.Description(()), error)
+    description = _check.Description(())
+    return transport, _guard.entered(transport, name, head, description, error, tag=tag)
 
 
-def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
+def gather_object(obj: Any, *, group: Any = None, tag: str | int | None = None) -> list[Any]:
     """Every replica's ``obj``, as a list in rank order.
 
     ``obj`` is JSON-like (see :func:`xcoll.encode_object`): None, bool, int, float,
     str, bytes, and lists, tuples and dicts (str or int keys) of them. Values come
-    back exactly, types preserved. ``obj`` is left unmodified.
+    back exactly, types preserved. ``obj`` is left unmodified. ``group`` and
+    ``tag`` as in :func:`xcoll.gather`.
 
     >>> import xcoll
     >>> xcoll.gather_object({"epoch": 3, "tags": ("a", "b")})  # a world of one
     [{'epoch': 3, 'tags': ('a', 'b')}]
     """
-    transport, entry = _entered("xcoll.gather_object", "", group)
+    transport, entry = _entered("xcoll.gather_object", "", group, tag)
     with entry as signature:
         data, error = _encode_or_error(obj)
         tag = b"" if signature is None else signature.fingerprint()[:8]
@@ -59,14 +61,17 @@ def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
         return [_codec.decode(d) for d in every]
 
 
-def broadcast_object(obj: Any, *, src: int = 0, group: Any = None) -> Any:
+def broadcast_object(
+    obj: Any, *, src: int = 0, group: Any = None, tag: str | int | None = None
+) -> Any:
     """Replica ``src``'s ``obj`` on every replica (the others' ``obj`` is ignored).
+    ``group`` and ``tag`` as in :func:`xcoll.gather`.
 
     >>> import xcoll
     >>> xcoll.broadcast_object(["config", {"lr": 0.1}])
     ['config', {'lr': 0.1}]
     """
-    transport, entry = _entered("xcoll.broadcast_object", f"src={src}", group)
+    transport, entry = _entered("xcoll.broadcast_object", f"src={src}", group, tag)
     with entry as signature:
         mine = transport.rank() == src
         data, error = _encode_or_error(obj) if mine else (b"", None)
@@ -101,8 +106,9 @@ def barrier(tag: str = "", *, group: Any = None) -> None:
     error = None
     if type(tag) is not str:
         error = TypeError(f"barrier tag must be a str, got {type(tag).__qualname__}")
-    # The tags themselves are compared below, and named if they differ.
-    transport, entry = _entered("xcoll.barrier", "", group, error)
+    # The tags themselves are compared below, and named if they differ (the
+    # call's step tag, from xcoll.step, is its fingerprint's).
+    transport, entry = _entered("xcoll.barrier", "", group, None, error)
     with entry as signature:
         guard = "" if signature is None else signature.fingerprint().hex()
         if not _exchange.differing(transport, _exchange.sha256(guard + "\n" + tag)):

@@ -101,17 +101,22 @@ def set_rng_state(state: dict[str, Any], generators: Sequence[torch.Generator] =
 
 
 def sync_rng_state(
-    *, src: int = 0, generators: Sequence[torch.Generator] = (), group: Any = None
+    *,
+    src: int = 0,
+    generators: Sequence[torch.Generator] = (),
+    group: Any = None,
+    tag: str | int | None = None,
 ) -> None:
     """Gives every replica replica ``src``'s generator states, in one xcoll call.
 
     Afterwards ``torch.rand``, the XLA RNG, ``random.random()``, NumPy and every
     generator in ``generators`` draw the same values on every replica.
+    ``group`` and ``tag`` as in :func:`xcoll.gather`.
     """
     transport = _backends.current(group)
     head = f"src={src} generators={len(generators)}"
     name = "xcoll.sync_rng_state"
-    with _guard.entered(transport, name, head, _check.Description(())) as signature:
+    with _guard.entered(transport, name, head, _check.Description(()), tag=tag) as signature:
         _sync(transport, src, generators, signature)
 
 

@@ -2,12 +2,15 @@
 
 Leaves are flattened with optree's deterministic order (dict keys sorted), so
 replicas that built the same dict in different insertion orders send their leaves
-in the same order. ``None`` is structure, not a leaf. A call flattens its tree
+in the same order. Keys it cannot sort keep their insertion order: where two of
+them read the same, nothing could match them across replicas, and such a tree
+is refused. ``None`` is structure, not a leaf. A call flattens its tree
 once (:func:`flatten`); everything after works on the :class:`Flat`.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 from collections.abc import Hashable
@@ -109,7 +112,8 @@ def flatten(tree: Any) -> Flat:
     Raises:
         TypeError: a leaf is not a tensor, bool, int or float, or is a tensor
             xcoll cannot move (dtype, layout, nested, meta); the message names
-            the leaf's path.
+            the leaf's path; or a dict's keys keep their insertion order and
+            two of them read the same (the dict's path is named).
         ValueError: a Python int does not fit in int64, or the tree nests deeper
             than optree flattens (the path to that depth is named).
     """
@@ -135,6 +139,7 @@ def flatten(tree: Any) -> Flat:
 
     def check() -> tuple:
         _check(leaves, treespec)
+        _check_key_order(treespec, leaves)
         scalars = tuple(i for i, s in enumerate(signature) if not isinstance(s, tuple))
         ints = [i for i in scalars if issubclass(signature[i], int) and signature[i] is not bool]
         devices = tuple(dict.fromkeys(s[2] for s in signature if isinstance(s, tuple)))
@@ -163,6 +168,99 @@ def _check(leaves: list[Any], treespec: optree.PyTreeSpec) -> None:
             )
         if problem:
             raise TypeError(f"{_paths(treespec)[i]}: {problem}")
+
+
+def _check_key_order(treespec: optree.PyTreeSpec, leaves: list[Any]) -> None:
+    """Refuses a dict whose leaves no replica can match by key: keys that
+    keep their insertion order, two of which read the same without their
+    addresses. Replicas that inserted them in different orders would pair one
+    key's values with the other's, and descriptions, which leave addresses
+    out, could not tell (with keys that read differently, they can)."""
+    found: list[bool] = []
+
+    def node(kind: type, data: Any, children: Any) -> None:
+        if not found and _twin_keys(kind, data) is not None:
+            found.append(True)
+
+    # optree's walk, with a Python call per node: about 90 us for 500 nodes,
+    # paid once per treespec (flatten caches it with the other checks)
+    treespec.walk(leaves, f_node=node)
+    if found:
+        path, kind, twin = _first_twin_keys(treespec)
+        order = (
+            "an OrderedDict's keys keep their insertion order"
+            if kind is collections.OrderedDict
+            else "keys that cannot be sorted keep their insertion order"
+        )
+        raise TypeError(
+            f"{path}: {order}, and two of them read {twin} (without their addresses, "
+            "which differ between processes): replicas that inserted them in different "
+            "orders would exchange their values, and no check can tell. Use keys that sort "
+            "(str, int) or whose repr tells them apart"
+        )
+
+
+def _twin_keys(kind: type, data: Any) -> str | None:
+    """The repr (addresses left out) that two keys of a mapping node share,
+    where the node keeps their insertion order; else None. ``data`` is the
+    node's data as optree gives it (a defaultdict's: its factory and keys)."""
+    if kind is collections.defaultdict:
+        data = data[1]
+    elif kind is not dict and kind is not collections.OrderedDict:
+        return None
+    if len(data) < 2 or (kind is not collections.OrderedDict and _sorts(data)):
+        return None
+    seen: set[str] = set()
+    for key in data:
+        text = ADDRESS.sub("", repr(key))
+        if text in seen:
+            return text
+        seen.add(text)
+    return None
+
+
+def _sorts(keys: list[Any]) -> bool:
+    """Whether optree sorted these dict keys (``optree.utils.total_order_sorted``:
+    by the keys, else by their types' names and the keys, else not at all)."""
+    for order in (None, lambda k: (f"{type(k).__module__}.{type(k).__qualname__}", k)):
+        try:
+            sorted(keys, key=order)
+            return True
+        except TypeError:
+            pass
+    return False
+
+
+def _first_twin_keys(treespec: optree.PyTreeSpec) -> tuple[str, type, str]:
+    """The path, type and shared key repr of the first node :func:`_twin_keys`
+    refuses (an error's slow path: walks the treespec in Python)."""
+    stack: list[tuple[optree.PyTreeSpec, tuple[Any, ...]]] = [(treespec, ())]
+    while stack:
+        spec, steps = stack.pop()
+        if spec.is_leaf() or not spec.num_children:
+            continue
+        entries = spec.entries()
+        data = (None, entries) if spec.type is collections.defaultdict else entries
+        twin = _twin_keys(spec.type, data)
+        if twin is not None:
+            return _short_path(steps), spec.type, twin
+        entry = optree.register_pytree_node.get(spec.type, namespace=spec.namespace)
+        stack.extend(
+            (child, (*steps, entry.path_entry_type(e, spec.type, spec.kind)))
+            for e, child in reversed(list(zip(entries, spec.children(), strict=True)))
+        )
+    raise AssertionError("no twin keys found")  # _check_key_order found one
+
+
+def _short_path(entries: tuple[Any, ...]) -> str:
+    return "tree" + "".join(_shown([optree.PyTreeAccessor((e,)).codify("") for e in entries]))
+
+
+def _shown(steps: Any) -> tuple[str, ...]:
+    """The first and last few steps of a path: a full one is as long as the
+    tree is deep."""
+    steps = tuple(steps)
+    return steps if len(steps) <= 8 else (*steps[:4], "...", *steps[-2:])
 
 
 def _tensor_problem(t: torch.Tensor) -> str | None:
@@ -196,8 +294,7 @@ def _deep_path(tree: Any) -> str:
             (c, (*steps, f"[{e!r}]"))
             for e, c in reversed(list(zip(entries, children, strict=True)))
         )
-    shown = steps if len(steps) <= 8 else (*steps[:4], "...", *steps[-2:])
-    return "tree" + "".join(shown)
+    return "tree" + "".join(_shown(steps))
 
 
 def dtype_of(leaf: Any) -> torch.dtype:

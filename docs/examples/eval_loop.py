@@ -10,7 +10,10 @@ batch is short. Still, every sample is counted exactly once:
   ``xcoll.by_index`` then puts them in dataset order, each sample once;
 * metrics: loss and accuracy accumulate on the device, with the sampler's padding
   masked out, with no sync inside the loop beyond the per-batch gather; one
-  ``xcoll.reduce`` at the end gives the global values.
+  ``xcoll.reduce`` at the end gives the global values;
+* each batch's call is tagged with ``xcoll.step``: a replica whose own code
+  raised in a batch and went on would otherwise pair its later gathers with
+  the others' earlier batches.
 
 ``evaluate`` runs on each replica: with ``xcoll.testing.XlaPool(4).run(evaluate,
 ...)`` on XLA:CPU, or in any process of a torch.distributed job.
@@ -80,11 +83,14 @@ def evaluate(args: tuple[int, int]) -> dict:
             loss_sum = loss_sum + (F.cross_entropy(logits, yb, reduction="none") * keep).sum()
             correct = correct + ((pred == yb) & keep).sum()
             count = count + keep.sum()
-            out = xcoll.gather({"pred": pred, "index": idx.to(dev)}, to_cpu=True)
+            with xcoll.step(start):  # names the batch's call (docs/reliability.md)
+                out = xcoll.gather({"pred": pred, "index": idx.to(dev)}, to_cpu=True)
             preds.append(out["pred"])
             index.append(out["index"])
 
-    totals = xcoll.reduce({"loss_sum": loss_sum, "correct": correct, "count": count}, "sum")
+    totals = xcoll.reduce(
+        {"loss_sum": loss_sum, "correct": correct, "count": count}, "sum", tag="totals"
+    )
     ordered = xcoll.by_index({"pred": torch.cat(preds)}, torch.cat(index), length=n)
     return {
         "preds": ordered["pred"],  # every sample once, in dataset order

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .._tree import Flat
-from ._launch import launch_hint
+from ._launch import launch_hint, without_group
 from .base import LocalTransport, Transport
 
 __all__ = ["Transport", "current", "resolve", "xla_runtime_running"]
@@ -43,10 +43,22 @@ def _dist_running(group: Any) -> bool:
     return group is not None or (dist.is_available() and dist.is_initialized())
 
 
+def _alone(device: torch.device | None = None) -> Transport:
+    """A world of one: what a process is unless a launcher started it as one of
+    several (torchrun, mpirun), whose world is then missing; raised rather than
+    returning each process's values alone. A RuntimeError, as for the other
+    launches that went wrong: nothing in the call's arguments is at fault."""
+    why = without_group()
+    if why:
+        raise RuntimeError(why)
+    return LocalTransport() if device is None else LocalTransport(device)
+
+
 def current(group: Any = None) -> Transport:
     """The backend of this replica when the call has no tensor leaves to go by:
     ``group``'s if given, else XLA's if its runtime is running here, else the
-    default process group's if initialised, else a world of one."""
+    default process group's if initialised, else a world of one (where the
+    environment does not say this process is one of several)."""
     if group is None and xla_runtime_running():
         from .xla import XlaTransport
 
@@ -55,7 +67,7 @@ def current(group: Any = None) -> Transport:
         from .dist import DistTransport
 
         return DistTransport(None, group)
-    return LocalTransport()
+    return _alone()
 
 
 def resolve(flat: Flat, group: Any = None) -> Transport:
@@ -63,7 +75,8 @@ def resolve(flat: Flat, group: Any = None) -> Transport:
     ``flat`` validated for it:
 
     XLA leaves -> XLA; other leaves -> torch.distributed if a process group is
-    initialised (or ``group`` is given); otherwise a world of one.
+    initialised (or ``group`` is given); otherwise a world of one (as in
+    :func:`current`).
     """
     if len(flat.devices) > 1:
         tensors = [i for i, leaf in enumerate(flat.leaves) if isinstance(leaf, torch.Tensor)]
@@ -101,6 +114,6 @@ def resolve(flat: Flat, group: Any = None) -> Transport:
             else where + "; move the leaves to the replica's XLA device (torch_xla.device())"
         )
     else:
-        transport = LocalTransport(flat.devices[0])
+        transport = _alone(flat.devices[0])
     transport.validate(flat)
     return transport

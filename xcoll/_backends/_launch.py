@@ -5,20 +5,58 @@ from __future__ import annotations
 
 import os
 
+#: The variables in which launchers tell a process how many processes they
+#: started and which one it is, and whose environment that is. The first one
+#: set is the one that counts: WORLD_SIZE (torch.distributed's own) wins.
+_LAUNCHERS = (
+    ("WORLD_SIZE", "RANK", "torchrun's environment"),
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "Open MPI's environment (mpirun)"),
+    ("PMI_SIZE", "PMI_RANK", "MPICH's or Intel MPI's environment (mpirun)"),
+)
+
+
+def launched_as(variable: bool) -> str:
+    """``"rank R of W (whose environment)"`` where a launcher's environment says
+    this process is one of W > 1 processes, else ``""``; with ``variable``, the
+    variable that says so too (``WORLD_SIZE=2``)."""
+    for size, rank, source in _LAUNCHERS:
+        world = os.environ.get(size, "")
+        if world:
+            if not world.isdigit() or int(world) <= 1:
+                return ""
+            said = f"{source}: {size}={world}" if variable else source
+            return f"rank {os.environ.get(rank, '?')} of {world} ({said})"
+    return ""
+
+
+def without_group() -> str:
+    """Why this process cannot be a world of one, for a ``RuntimeError``, where
+    a launcher started it as one of several but torch.distributed is not
+    initialised (and no XLA runtime runs it): else ``""``. Each process would
+    return its own values alone, without an error."""
+    started = launched_as(variable=True)
+    if not started:
+        return ""
+    return (
+        f"this process was started as {started}, but torch.distributed is not "
+        'initialised: call torch.distributed.init_process_group first ("gloo"; "nccl" '
+        "with CUDA leaves), or every xcoll call would run as a world of one and return "
+        "this process's values alone (docs/launchers.md)"
+    )
+
 
 def launch_hint(xla_leaves: bool) -> str:
-    """Where torchrun's environment says this process is one of several but
+    """Where a launcher's environment says this process is one of several but
     XLA's runtime runs it as a world of one: the likely cause, for an error.
     A process group initialised first serves CPU leaves only: XLA leaves still
     go to XLA's world of one (seen with accelerate's XLA path under torchrun)."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    if not world.isdigit() or int(world) <= 1:
+    started = launched_as(variable=False)
+    if not started:
         return ""
     return (
-        f". This process was started as rank {os.environ.get('RANK', '?')} of {world} "
-        "(torchrun's environment), but XLA's runtime runs it as a world of one: something "
-        "started the XLA runtime instead of torch.distributed (accelerate does when torch_xla "
-        "is installed: set USE_TORCH_XLA=0)"
+        f". This process was started as {started}, but XLA's runtime runs it as a "
+        "world of one: something started the XLA runtime instead of torch.distributed "
+        "(accelerate does when torch_xla is installed: set USE_TORCH_XLA=0)"
         + ("" if xla_leaves else ", or call torch.distributed.init_process_group first")
         + " (docs/launchers.md)"
     )

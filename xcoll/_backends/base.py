@@ -25,6 +25,11 @@ from .. import _pack, _wire
 from .._tree import Flat
 
 
+class EngineError(RuntimeError):
+    """The engine could not complete a collective (a timeout, a closed
+    connection): the public call reports it in its own words."""
+
+
 class Kernels:
     """Packing kernels in torch ops that every device lowers.
 
@@ -163,8 +168,17 @@ class Transport(ABC):
         "a replica's first call on a group" is counted by)."""
         return (type(self).__name__, str(self.device))
 
+    #: The object whose lifetime is the group's, where the engine has one
+    #: (a torch.distributed process group); None: :attr:`group_key` names it
+    #: for the life of the process.
+    group_object: object = None
+
     @abstractmethod
     def rank(self) -> int: ...
+
+    def rank_name(self, rank: int) -> str:
+        """``rank`` (of this group) as messages name it."""
+        return f"rank {rank}"
 
     @abstractmethod
     def world_size(self) -> int: ...

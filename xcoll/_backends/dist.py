@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Transport
+from .base import EngineError, Transport
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -25,10 +25,22 @@ _OPS = {
 _WIDER = {torch.int16: torch.int32}
 
 
+def _not_a_member(group: Any) -> bool:
+    # dist.new_group returns this int to the ranks it leaves out, on which
+    # every use of it as a group would fail deep inside (no group_name).
+    return isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+
+
 class DistTransport(Transport):
     def __init__(self, device: torch.device | None, group: Any = None):
         if not dist.is_initialized():
             raise RuntimeError("group= was given but torch.distributed is not initialised")
+        if _not_a_member(group):
+            raise ValueError(
+                f"group={group!r} is GroupMember.NON_GROUP_MEMBER, what dist.new_group returns "
+                f"to the processes it leaves out: this process (global rank {dist.get_rank()}) "
+                "is not a member of that group, and only its members may call on it"
+            )
         self.group = group
         if device is None:  # no tensor leaves: scalars go where this group's backend works
             device = (
@@ -50,8 +62,17 @@ class DistTransport(Transport):
         group = self.group if self.group is not None else dist.group.WORLD
         return ("dist", group.group_name)
 
+    @property
+    def group_object(self):
+        return self.group if self.group is not None else dist.group.WORLD
+
     def rank(self) -> int:
         return dist.get_rank(self.group)
+
+    def rank_name(self, rank: int) -> str:
+        if self.group is None:
+            return f"rank {rank}"
+        return f"rank {rank} of the group (global rank {dist.get_global_rank(self.group, rank)})"
 
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
@@ -64,8 +85,8 @@ class DistTransport(Transport):
             work = dist.all_gather_into_tensor(out, buf, group=self.group, async_op=True)
         except (RuntimeError, NotImplementedError):
             # A backend without it: the list form, writing into views of ``out``.
-            parts = list(out.chunk(self.world_size()))
-            work = dist.all_gather(parts, buf, group=self.group, async_op=True)
+            self._start(dist.all_gather, list(out.chunk(self.world_size())), buf)
+            return out
         self._pending.append(work)
         return out
 
@@ -75,7 +96,7 @@ class DistTransport(Transport):
             self.all_reduce(wide, op)
             self._after.append(lambda: buf.copy_(wide))  # int32 -> int16 wraps like int16
             return buf
-        self._pending.append(dist.all_reduce(buf, _OPS[op], group=self.group, async_op=True))
+        self._start(dist.all_reduce, buf, _OPS[op])
         return buf
 
     # A star from src: at W=4 on 2 cores gloo's broadcast takes 0.3 ms, its
@@ -86,12 +107,22 @@ class DistTransport(Transport):
         if buf.dtype in _WIDER:
             return self.broadcast(buf.view(torch.uint8), src).view(buf.dtype)
         root = src if self.group is None else dist.get_global_rank(self.group, src)
-        self._pending.append(dist.broadcast(buf, root, group=self.group, async_op=True))
+        self._start(dist.broadcast, buf, root)
         return buf
 
+    def _start(self, collective: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._pending.append(collective(*args, group=self.group, async_op=True))
+        except RuntimeError as e:  # a connection closed by an earlier timeout
+            raise EngineError(str(e)) from e
+
     def wait(self) -> None:
-        for work in self._pending:
-            work.wait()
-        for fix in self._after:
+        pending, self._pending = self._pending, []
+        after, self._after = self._after, []
+        try:
+            for work in pending:
+                work.wait()
+        except RuntimeError as e:  # gloo's timeout, a peer that closed its connection
+            raise EngineError(str(e)) from e
+        for fix in after:
             fix()
-        self._pending, self._after = [], []

@@ -1,0 +1,378 @@
+"""Replicas that fall out of step: a replica that skips a call, two threads on
+one group, a peer that never arrives. Never silently wrong data: every replica
+raises, naming what differs, or waits with xcoll's diagnosis."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import pathlib
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import xcoll
+from tests.replicas import device, shared_pool
+
+WORLDS = ["gloo-2", "gloo-4", "xla-cpu-2", "xla-cpu-4"]
+MISMATCH = "xcoll.CollectiveMismatchError"
+
+
+def _loop(how: str):
+    """An eval loop of 4 steps whose last replica's own code raises at step 1
+    (``how="skip"``: before the call; ``"invalid"``: inside the call, on a leaf
+    only that replica has), catches the error and goes on, as a loop that
+    skips a bad batch does. Returns each step's result (or the error)."""
+    rank, world = xcoll.rank(), xcoll.world_size()
+    dev = device()
+    out = []
+    for step in range(4):
+        x = torch.tensor([float(10 * step + rank)]).to(dev)
+        try:
+            with xcoll.step(step):
+                if step == 1 and rank == world - 1:
+                    if how == "skip":
+                        raise ValueError("a bad batch")
+                    xcoll.reduce({"x": x, "bad": "not a tensor"})
+                total = xcoll.reduce({"x": x})["x"].item()
+                out.append(("ok", step, total))
+        except (ValueError, TypeError) as e:
+            out.append(("skipped", step, type(e).__name__))
+        except xcoll.CollectiveMismatchError as e:
+            out.append(("mismatch", step, str(e)))
+            break
+    return out
+
+
+@pytest.mark.parametrize("how", ["skip", "invalid"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_replica_that_skips_a_tagged_call_makes_every_replica_raise(world, how):
+    pool = shared_pool(world)
+    w = pool.world_size
+    results = pool.run(_loop, [how] * w)
+    expected = sum(10.0 * 0 + r for r in range(w))
+    for rank, steps in enumerate(results):
+        assert steps[0] == ("ok", 0, expected), (rank, steps)  # before the skip: right
+        ok = [s for s in steps if s[0] == "ok"]
+        assert len(ok) == 1, (rank, steps)  # never a result paired with another step's
+        kind, _, text = steps[-1]
+        assert kind == "mismatch", (rank, steps)
+        # the last replica's step 2 met the others' step 1: both tags named
+        assert "step 1, call" in text and "step 2, call" in text, text
+
+
+def _tagged(_):
+    rank = xcoll.rank()
+    x = torch.ones(2).to(device())
+    try:
+        xcoll.gather({"x": x}, tag="eval" if rank == 0 else "train")
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_calls_with_different_tags_raise_naming_both(world):
+    pool = shared_pool(world)
+    for text in pool.run(_tagged, [None] * pool.world_size):
+        assert "tag='eval'" in text and "tag='train'" in text, text
+
+
+def _bad_tag(_):
+    try:
+        xcoll.reduce(torch.ones(1).to(device()), tag=1.5)
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_a_tag_that_is_not_a_str_or_int_is_refused(world):
+    pool = shared_pool(world)
+    for text in pool.run(_bad_tag, [None] * pool.world_size):
+        assert "tag must be a str or an int, got float" in text, text
+
+
+def _reliability_snippet(_):
+    namespace = {"torch": torch, "xcoll": xcoll, "dev": device()}
+    exec(SNIPPET, namespace)
+    return namespace["stats"]["loss"].item(), namespace["stats"]["seen"]
+
+
+def snippet() -> str:
+    """docs/reliability.md's training loop tagged with ``xcoll.step``."""
+    from tests.test_docs_run import blocks
+
+    (code,) = blocks(ROOT / "docs" / "reliability.md")
+    return code
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SNIPPET = snippet()
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_the_tagged_loop_of_the_docs_runs(world):
+    pool = shared_pool(world)
+    results = pool.run(_reliability_snippet, [None] * pool.world_size)
+    assert len(set(results)) == 1 and results[0][1] == 8 * pool.world_size, results
+
+
+# ---- two threads on one group ----------------------------------------------------
+
+
+def _overlap(timeout: float):
+    """Rank 0 calls from two threads at once on a fresh group; the other ranks
+    call twice from one thread (their two threads' calls one after the other).
+    Then every rank goes on with a third call. Returns what each call gave."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+    x = torch.tensor([float(rank)])
+    outcomes = []
+
+    def call(label):
+        try:
+            got = xcoll.reduce({"x": x}, group=group)["x"].item()
+            outcomes.append((label, "ok", got))
+        except Exception as e:
+            outcomes.append((label, f"{type(e).__module__}.{type(e).__name__}", str(e)[:300]))
+
+    if rank == 0:
+        first = threading.Thread(target=call, args=("first",))
+        first.start()
+        time.sleep(0.5)  # the first thread's call is waiting for the others
+        call("second")
+        first.join()
+    else:
+        time.sleep(1.5)
+        call("first")
+        call("second")
+    call("after")
+    dist.destroy_process_group(group)
+    return outcomes
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+def test_after_an_overlap_no_replica_returns_another_calls_data(world):
+    pool = shared_pool(world)
+    w = pool.world_size
+    results = pool.run(_overlap, [3.0] * w, timeout=120)
+    total = float(sum(range(w)))
+    zero = dict((label, (kind, v)) for label, kind, v in results[0])
+    # rank 0: the overlapping call and the one it overlapped both raise, and so
+    # does every later call, without communicating
+    for label in ("first", "second", "after"):
+        assert zero[label][0] == "xcoll.ConcurrentCallError", results[0]
+    assert "unusable" in zero["after"][1], results[0]
+    for rank, outcomes in enumerate(results[1:], 1):
+        got = dict((label, (kind, v)) for label, kind, v in outcomes)
+        # the call paired with rank 0's first thread completed; no later call
+        # returns: each waits for rank 0, which makes no more collectives
+        assert got["first"] == ("ok", total), (rank, outcomes)
+        for label in ("second", "after"):
+            kind, text = got[label]
+            assert kind == "builtins.RuntimeError", (rank, outcomes)
+            assert "did not complete" in text or "Connection closed" in text, (rank, outcomes)
+
+
+def _xla_overlap(_):
+    rank = xcoll.rank()
+    x = torch.tensor([float(rank)]).to(device())
+    outcomes = []
+
+    def call(label):
+        try:
+            outcomes.append((label, "ok", xcoll.reduce({"x": x})["x"].item()))
+        except Exception as e:
+            outcomes.append((label, f"{type(e).__module__}.{type(e).__name__}", str(e)[:300]))
+
+    if rank == 0:
+        # a second thread of this replica calls while the replica's own call
+        # waits for rank 1
+        second = threading.Thread(target=lambda: (time.sleep(0.5), call("second")))
+        second.start()
+        call("first")
+        second.join()
+        call("after")  # raises at once: rank 0 makes no more collectives
+    else:
+        time.sleep(1.5)
+        call("first")
+    return outcomes
+
+
+def test_after_an_overlap_an_xla_replica_makes_no_more_collectives():
+    from xcoll.testing import XlaPool
+
+    with XlaPool(2, grace=2) as pool:  # its own pool: the overlap ends its world
+        results = pool.run(_xla_overlap, [None, None], timeout=120)
+    zero = dict((label, kind) for label, kind, _ in results[0])
+    assert zero == dict.fromkeys(("first", "second", "after"), "xcoll.ConcurrentCallError"), results
+    assert results[1] == [("first", "ok", 1.0)], results
+
+
+# ---- every wait diagnosed -------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _stderr_and_watchdog(after: float):
+    """Captures what the watchdog prints (it resolves sys.stderr when it
+    prints), with its delay shortened to ``after`` seconds."""
+    from xcoll import _watchdog
+
+    saved, err = (_watchdog.AFTER, sys.stderr), io.StringIO()
+    _watchdog.AFTER, sys.stderr = after, err
+    try:
+        yield err
+    finally:
+        _watchdog.AFTER, sys.stderr = saved
+
+
+def _skipped(what: str):
+    """The last rank skips a call on a fresh group whose timeout is 3 s (after
+    a consistent first call, except where the skipped call is the first); the
+    others' call waits. Returns their error and what the watchdog printed."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    x = {"x": torch.ones(3)}
+    if what != "first call":
+        xcoll.reduce(x, group=group)
+    outcome = "skipped"
+    with _stderr_and_watchdog(1.0) as err:
+        if rank != world - 1:
+            try:
+                _call_of(what, x, group)
+                outcome = "returned"
+            except RuntimeError as e:
+                outcome = f"{type(e).__name__}: {e}"
+    dist.barrier()  # (the skipping rank keeps its connections open meanwhile)
+    dist.destroy_process_group(group)
+    return outcome, err.getvalue()
+
+
+def _call_of(what: str, x, group) -> None:
+    if what == "always":
+        with xcoll.consistency_checks("always"):
+            xcoll.gather(x, group=group)
+    elif what in ("first call", "later call"):
+        xcoll.gather(x, group=group)
+    elif what == "barrier":
+        xcoll.barrier("end", group=group)
+    elif what == "gather_object":
+        xcoll.gather_object({"a": 1}, group=group)
+    elif what == "broadcast_object":  # (from the missing rank: a star from src waits for it)
+        xcoll.broadcast_object({"a": 1}, src=group.size() - 1, group=group)
+    elif what == "sync_rng_state":
+        xcoll.sync_rng_state(src=group.size() - 1, group=group)
+    elif what == "uneven":
+        xcoll.gather(x, uneven=True, group=group)
+    else:
+        raise AssertionError(what)
+
+
+WAITS = [
+    "first call",
+    "always",
+    "later call",
+    "barrier",
+    "gather_object",
+    "broadcast_object",
+    "sync_rng_state",
+    "uneven",
+]
+NAMES = {"first call": "gather", "always": "gather", "later call": "gather", "uneven": "gather"}
+
+
+@pytest.mark.parametrize("what", WAITS)
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+def test_every_wait_for_a_missing_replica_is_diagnosed(world, what):
+    pool = shared_pool(world)
+    w = pool.world_size
+    results = pool.run(_skipped, [what] * w, timeout=120)
+    assert results[-1][0] == "skipped"
+    name = f"xcoll.{NAMES.get(what, what)}"
+    for rank, (outcome, printed) in enumerate(results[:-1]):
+        assert outcome.startswith(f"RuntimeError: {name}: a collective did not complete"), (
+            rank,
+            outcome,
+        )
+        assert f"xcoll: {name} on rank {rank} of the group" in printed, (rank, printed)
+        assert "has waited 1 s for the other replicas" in printed, printed
+
+
+def _xla_first_call_skipped(_):
+    if xcoll.rank() == 0:
+        xcoll.gather({"x": torch.ones(2).to(device())})
+    return "returned"
+
+
+def test_an_xla_first_call_that_a_peer_skips_is_diagnosed_before_xla_aborts():
+    from xcoll.testing import PoolCrashed, XlaPool
+
+    with XlaPool(2, grace=2) as pool:
+        with pytest.raises(PoolCrashed) as e:
+            pool.run(_xla_first_call_skipped, [None, None], timeout=120)
+    text = str(e.value)
+    assert "xcoll: xcoll.gather on rank 0 has waited" in text, text
+    assert text.index("xcoll: xcoll.gather") < text.index("Termination timeout"), text
+
+
+# ---- messages -------------------------------------------------------------------
+
+
+def test_public_exceptions_are_named_from_xcoll():
+    assert repr(xcoll.CollectiveMismatchError("x")) == "CollectiveMismatchError('x')"
+    assert xcoll.CollectiveMismatchError.__module__ == "xcoll"
+    assert xcoll.ConcurrentCallError.__module__ == "xcoll"
+
+
+def _barrier_tag(_):
+    rank = xcoll.rank()
+    try:  # (a later call shares a local error only when checked in full)
+        with xcoll.consistency_checks("always"):
+            xcoll.barrier(3 if rank == 0 else "end")
+    except (TypeError, xcoll.CollectiveMismatchError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_a_barrier_tag_that_is_not_a_str_is_named_on_every_replica(world):
+    pool = shared_pool(world)
+    zero, *others = pool.run(_barrier_tag, [None] * pool.world_size)
+    assert zero.startswith("TypeError: barrier tag must be a str, got int"), zero
+    for text in others:
+        assert text == (
+            "CollectiveMismatchError: xcoll.barrier: rank 0 raised before communicating "
+            "(TypeError: barrier tag must be a str, got int)"
+        ), text
+
+
+def _subgroup_mismatch(_):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    group = dist.new_group([1, 2, 3])
+    text = "not a member"
+    if rank in (1, 2, 3):
+        try:
+            with xcoll.consistency_checks("always"):
+                xcoll.gather({"x": torch.ones(2 if rank == 1 else 3)}, group=group)
+        except xcoll.CollectiveMismatchError as e:
+            text = str(e)
+    dist.destroy_process_group(group)
+    return text
+
+
+def test_sub_group_messages_say_which_ranks_they_name():
+    results = shared_pool("gloo-4").run(_subgroup_mismatch, [None] * 4)
+    assert "this replica (rank 0 of the group (global rank 1))" in results[1], results[1]
+    assert "rank 1 of the group (global rank 2) has" in results[1], results[1]
+    assert "item" not in results[1], results[1]
