@@ -322,7 +322,7 @@ def _metric_tree(args):
     return "returned"
 
 
-@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2", "gloo-4"])
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4", "xla-cpu-2", "xla-cpu-4"])
 @pytest.mark.parametrize(
     "kind,where,raised",
     [

@@ -11,7 +11,7 @@ from hypothesis import given
 
 import xcoll
 from tests.helpers import PROPERTY, assert_trees, same_bits
-from tests.replicas import counters, device, to_cpu, to_device
+from tests.replicas import counters, device, shared_pool, to_cpu, to_device
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 
@@ -93,7 +93,7 @@ def test_other_dims_must_match_and_every_replica_says_so(pool):
         pytest.skip("one replica cannot disagree with itself")
     failures = pool.run(_mismatch, [None] * pool.world_size, return_exceptions=True)
     # the guard, in the shape exchange, finds that the descriptions differ
-    assert all(f.type_name == "xcoll._check.CollectiveMismatchError" for f in failures), failures
+    assert all(f.type_name == "xcoll.CollectiveMismatchError" for f in failures), failures
     assert all(
         "tree['m']" in f.message and "(*, 3)" in f.message and "(*, 4)" in f.message
         for f in failures
@@ -196,3 +196,181 @@ def test_max_size_is_one_execution_per_replica(xla4):
     after = xla4.run(counters)[0]
     assert after["executions"] - before["executions"] == 10 * w
     assert after["compiles"] - before["compiles"] == 0
+
+
+# ---- leaves with a dim of size 0, and later calls that differ (issue 21) ------------
+
+#: The worlds where replicas can disagree, on both engines.
+WORLDS = ["gloo-2", "gloo-4", "xla-cpu-2", "xla-cpu-4"]
+#: Each rank's size along the growing dim: one replica at max_size (4, which
+#: is also the XLA size bucket of 4) pads nothing while the others pad.
+EMPTY_SIZES = [2, 4, 0, 1]
+
+
+def _empty_shard(rank: int, n: int) -> tuple[dict, dict]:
+    """Rank ``rank``'s leaves with a dim of size 0 next to ordinary ones:
+    growing along dim 0, and along dim -1."""
+    x = torch.arange(n * 3, dtype=torch.float32).reshape(n, 3) + 100 * rank
+    rows = {
+        "z": torch.zeros(n, 0),
+        "w": torch.zeros(n, 2, 0, dtype=torch.int64),
+        "x": x,
+        "flag": x[:, 0] > 100,
+    }
+    cols = {"z": torch.zeros(0, n, dtype=torch.bfloat16), "x": x.t().contiguous()}
+    return rows, cols
+
+
+def _gather_empty(_):
+    rank = xcoll.rank()
+    rows, cols = _empty_shard(rank, EMPTY_SIZES[rank])
+    out = []
+    for kwargs in ({"uneven": True}, {"max_size": 4}):
+        out_rows = xcoll.gather(to_device(rows, device()), **kwargs)
+        out_cols = xcoll.gather(to_device(cols, device()), dim=-1, to_cpu=True, **kwargs)
+        out.append((to_cpu(out_rows), out_cols, sorted({t.device.type for t in out_rows.values()})))
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_leaves_with_a_dim_of_size_0(world):
+    """With uneven=True and with max_size. Before: the replicas that pad (on
+    XLA, or with max_size) raised torch's "negative output size" (no leaf
+    path) and the one at the padded size entered the gather alone (XLA
+    aborted; gloo waited for its timeout). (gloo without max_size gathers
+    exact bytes, unpadded: it worked.)"""
+    pool = shared_pool(world)
+    w = pool.world_size
+    shards = [_empty_shard(r, EMPTY_SIZES[r]) for r in range(w)]
+    rows = {k: torch.cat([s[0][k] for s in shards]) for k in shards[0][0]}
+    cols = {k: torch.cat([s[1][k] for s in shards], -1) for k in shards[0][1]}
+    assert rows["z"].shape == (sum(EMPTY_SIZES[:w]), 0)
+    assert cols["z"].shape == (0, sum(EMPTY_SIZES[:w]))
+    for per_call in pool.run(_gather_empty, [None] * w):
+        for out_rows, out_cols, on in per_call:
+            assert_trees(out_rows, rows, same_bits)
+            assert_trees(out_cols, cols, same_bits)
+            assert on == [pool.device_type]
+
+
+def _is_mismatch(f) -> bool:
+    return f.type_name.endswith(".CollectiveMismatchError")
+
+
+#: A call with max_size that odd ranks make differently, after a first call
+#: that every replica makes alike: what differs, the leaf and its max_size.
+LATER = {
+    "other dim": lambda odd: (torch.zeros(2, 4 if odd else 3), 4),
+    "max_size": lambda odd: (torch.zeros(2, 3), 3 if odd else 4),
+    "dtype width": lambda odd: (torch.zeros(2, 3, dtype=torch.float64 if odd else None), 4),
+}
+
+
+def _later(case):
+    first = xcoll.gather({"m": torch.zeros(2, 3).to(device())}, max_size=4, to_cpu=True)
+    assert first["m"].shape == (2 * xcoll.world_size(), 3)
+    leaf, max_size = LATER[case](xcoll.rank() % 2 == 1)
+    return xcoll.gather({"m": leaf.to(device())}, max_size=max_size, to_cpu=True)
+
+
+def _goes_on(cols):
+    """The values of a call with max_size whose other dims are new to the
+    group (where it comes after the calls above: more bytes than any of them,
+    so that its room grows on every replica)."""
+    rank = xcoll.rank()
+    x = torch.arange(rank * cols, dtype=torch.float32).reshape(rank, cols) + 100 * rank
+    return xcoll.gather({"m": x.to(device())}, max_size=4, to_cpu=True)["m"]
+
+
+def _goes_on_expected(w: int, cols: int) -> torch.Tensor:
+    return torch.cat(
+        [torch.arange(r * cols, dtype=torch.float32).reshape(r, cols) + 100 * r for r in range(w)]
+    )
+
+
+@pytest.mark.parametrize("case", list(LATER))
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_later_call_with_max_size_that_differs_raises_on_every_replica(world, case):
+    """Before: the gather that carries the guard had a size of each replica's
+    own (its padded data), so gloo killed the replica that received the larger
+    buffer and XLA aborted on the replicas' different programs; the guard was
+    never read. Now every replica raises and the pool goes on."""
+    pool = shared_pool(world)
+    w = pool.world_size
+    failures = pool.run(_later, [case] * w, return_exceptions=True)
+    assert all(_is_mismatch(f) for f in failures), failures
+    expected = {
+        "other dim": ("tree['m']", "(*, 3)", "(*, 4)"),
+        "max_size": ("max_size=4", "max_size=3"),
+        "dtype width": ("tree['m']", "float32", "float64"),
+    }[case]
+    for f in failures:
+        assert all(e in f.message for e in expected), f
+    # the same group goes on: a call with max_size that needs more room (on
+    # every replica alike), and one without max_size
+    cols = 7 + WORLDS.index(world) + 4 * list(LATER).index(case)
+    for got in pool.run(_goes_on, [cols] * w):
+        assert same_bits(got, _goes_on_expected(w, cols))
+    everyone = [v for r in range(w) for v in range(r)]
+    assert pool.run(_sizes_ok, [None] * w) == [everyone] * w
+
+
+def _later_unguarded(case):
+    with xcoll.consistency_checks("never"):
+        return _later(case)
+
+
+@pytest.mark.parametrize("case", list(LATER))
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_later_call_with_max_size_that_differs_raises_without_the_guard_too(world, case):
+    """With XCOLL_CHECK=never, the shapes and the bytes that travel with the
+    data are compared (before: gloo killed a replica, XLA aborted)."""
+    pool = shared_pool(world)
+    w = pool.world_size
+    failures = pool.run(_later_unguarded, [case] * w, return_exceptions=True)
+    expected = (
+        "tree['m']: an uneven gather along dim 0 needs the same other dims on every "
+        "replica; rank 0 has shape (2, 3), rank 1 has (2, 4)"
+        if case == "other dim"
+        # (3 float32 columns at max_size 3: 36 bytes, padded to 8)
+        else "the replicas' leaves have the same shapes but need different bytes at their "
+        f"max_size (rank 0: 48, rank 1: {40 if case == 'max_size' else 96})"
+    )
+    for f in failures:
+        assert f.type_name == "builtins.ValueError", f
+        assert expected in f.message, f
+    for got in pool.run(_goes_on, [5] * w):
+        assert same_bits(got, _goes_on_expected(w, 5))
+
+
+def _room_shard(rank: int, cols: int) -> dict:
+    """A tree of its own room key (3 tensor leaves, 2 scalars, max_size 1000)."""
+    n = rank % 3
+    x = torch.arange(n * cols, dtype=torch.float32).reshape(n, cols) + 100 * rank
+    return {"a": x, "b": x[:, 0].long(), "c": torch.stack([x > 101, x < 103], -1), "s": 1.5, "t": rank}
+
+
+def _room_call(cols):
+    tree = to_device(_room_shard(xcoll.rank(), cols), device())
+    return xcoll.gather(tree, max_size=1000, to_cpu=True)
+
+
+def _room_expected(w: int, cols: int) -> dict:
+    shards = [_room_shard(r, cols) for r in range(w)]
+    out = {k: torch.cat([s[k] for s in shards]) for k in "abc"}
+    return out | {"s": [1.5] * w, "t": list(range(w))}
+
+
+def test_max_size_runs_again_only_when_a_call_needs_more_room(xla4):
+    """A call with max_size is one execution, once its key's room (the bytes
+    its data travels in, the same on every replica) holds it: the first call
+    of a key, and a call that needs more than any before it, run again."""
+    w = xla4.world_size
+    xla4.run(_sizes_ok, [None] * w)  # (a pool's first call is also checked in full)
+    for cols, runs in [(2, 2), (2, 1), (5, 2), (2, 1), (5, 1)]:
+        before = xla4.run(counters)[0]
+        results = xla4.run(_room_call, [cols] * w)
+        after = xla4.run(counters)[0]
+        assert after["executions"] - before["executions"] == runs * w, cols
+        for got in results:
+            assert_trees(got, _room_expected(w, cols), same_bits)

@@ -7,31 +7,32 @@ gathers every replica's exact bytes in one buffer and regroups them by leaf
 
 On XLA collectives need the same shapes on every replica, and every distinct
 shape is a new compilation. So the leaves are padded to a shared size bucket
-(the next power of two of the largest size, or ``max_size``) and gathered as an
-even tree; the padding is cut off on the host. The pad and the cut happen on the
+(the next power of two of the largest size) and gathered as one buffer of
+bytes; the padding is cut off on the host. The pad and the cut happen on the
 host because their widths differ between replicas: traced into the graph they
 would give every replica a different program (and every size a new
-compilation). With ``max_size`` the sizes travel with the data (on every
-engine) and the call is a single execution (plus one for the caller's pending
-work, if any, which runs first on its own).
+compilation).
+
+With ``max_size`` (every engine) the leaves are padded to it, and their bytes
+travel with every replica's shapes and scalars in one guarded gather, a single
+execution (plus one for the caller's pending work, if any, which runs first on
+its own). That gather's size must not depend on the shapes it carries, or a
+replica whose other dims differ would make a collective of another size, not
+the guarded one: the data travels in a room of bytes that every replica takes
+from the group's history, and a call that needs more runs again
+(:meth:`UnevenGather._bounded`).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from . import _call, _check, _pack, _tree
 
 _MAX_DIMS = 8
-
-
-def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``t`` cut or padded with zeros to ``size`` along ``dim`` (one torch call:
-    a gather of hundreds of leaves makes one per leaf)."""
-    return torch.constant_pad_nd(t, [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]], 0)
 
 
 def growing_dims(flat: _tree.Flat, dim: int) -> dict[int, int]:
@@ -95,7 +96,7 @@ class UnevenGather(_call.Op):
 
     def apply(self, flat, transport, plan, sync, to_cpu, signature):
         rows: Rows = plan.rows
-        idx, dims = rows.idx, rows.dims
+        idx = rows.idx
         # The caller's pending work runs first, on its own: here it typically has
         # shapes that differ between replicas, and in the graph of a collective that
         # would give every replica a different program. (Nothing pending: no execution.)
@@ -104,10 +105,11 @@ class UnevenGather(_call.Op):
             host = transport.to_host([flat.leaves[i] for i in idx])
         else:
             host = [flat.leaves[i] for i in idx]
-        local = [t.shape[d] for t, d in zip(host, dims, strict=True)]
-
+        local = [t.shape[d] for t, d in zip(host, rows.dims, strict=True)]
         scalars = [flat.leaves[i] for i in flat.scalars]
-        if self.max_size is None:
+        if self.max_size is not None:
+            data, scalars = self._bounded(flat, transport, rows, host, local, scalars, signature)
+        else:
             # (the scalars travel with the shapes: that gather carries the guard)
             exchange = {"shapes": transport.upload(rows.shapes(local)), "scalars": scalars}
             got = _call.run(_STACKED, exchange, transport, to_cpu=True, signature=signature)
@@ -117,35 +119,142 @@ class UnevenGather(_call.Op):
                 data = _exact(rows, host, sizes, transport, to_cpu)
                 return _output(flat, idx, data, scalars)
             target = _pack.size_bucket(int(sizes.max())) if idx else 0
-        else:
-            target = self.max_size
-
-        # A shard larger than max_size still takes part (cut to max_size), so that
-        # every replica sees its true size and raises, instead of the others
-        # waiting in a gather it never joins.
-        payload = {
-            "data": [
-                transport.upload(t if n == target else _pad(t, d, target))
-                for t, d, n in zip(host, dims, local, strict=True)
-            ],
-        }
-        if self.max_size is not None:
-            payload["sizes"] = transport.upload(torch.tensor(local, dtype=torch.int64))
-            payload["scalars"] = scalars
-        # (with max_size, the data carries the guard; else the shapes did)
-        first = signature if self.max_size is not None else None
-        got = _call.run(_STACKED, payload, transport, to_cpu=True, signature=first)
-        if self.max_size is not None:
-            sizes = got["sizes"]
-            _check_max_size(flat, rows, sizes, self.max_size)
-            scalars = got["scalars"]
-        counts = sizes.tolist()
-        data = []
-        for d, padded in zip(dims, got["data"], strict=True):  # (W, *padded shape)
-            j = len(data)
-            t = torch.cat([padded[r].narrow(d, 0, n[j]) for r, n in enumerate(counts)], d)
-            data.append(t if to_cpu else transport.upload(t))
+            room = rows.layout(target).nbytes
+            payload = {"data": _packed(transport, rows, host, local, target, room)}
+            got = _call.run(_STACKED, payload, transport, to_cpu=True)
+            data = _unpack(rows, got["data"], sizes, target)
+        if not to_cpu:
+            data = [transport.upload(t) for t in data]
         return _output(flat, idx, data, scalars)
+
+    def _bounded(self, flat, transport, rows, host, local, scalars, signature):
+        """The call with ``max_size``: every replica's shape rows, scalars and
+        padded data in one guarded gather, whose size must not depend on the
+        leaves' other dims (if it did, a replica whose other dims differ
+        would make a collective of another size, which gloo aborts and which on
+        XLA is another program, and the guard it carries would never be
+        read). So the data travels in a room of bytes that every replica
+        takes from the same history (:data:`_rooms`); a call that needs more
+        runs again with room enough (all replicas alike: by then they have
+        checked that their shapes agree), and its key keeps that room.
+        Returns the gathered tensor leaves (on the host) and scalars."""
+        size = self.max_size
+        key = (
+            transport.group_key,
+            transport.world_size(),
+            _pack.size_bucket(size),
+            len(rows.idx),
+            len(scalars),
+        )
+        need = rows.layout(size).nbytes
+        room = _rooms.get(key, 0)
+        while True:  # (at most twice)
+            shapes = torch.cat([rows.shapes(local), torch.tensor([need])])  # (one upload)
+            payload = {
+                "shapes": transport.upload(shapes),
+                "scalars": scalars,
+                "data": _packed(transport, rows, host, local, size, room),
+            }
+            got = _call.run(_STACKED, payload, transport, to_cpu=True, signature=signature)
+            # (the checks that are left with XCOLL_CHECK=never: under the guard
+            # the replicas' descriptions agreed, and so do their needs)
+            sizes = rows.sizes(flat, got["shapes"][:, :-1])
+            _check_needs(got["shapes"][:, -1].tolist())
+            _check_max_size(flat, rows, sizes, size)
+            if need <= room:
+                return _unpack(rows, got["data"], sizes, size), got["scalars"]
+            room = _rooms[key] = need
+
+
+#: Per (process group, its size, max_size's size bucket, number of tensor
+#: leaves, of Python scalars): the bytes of data room that calls with
+#: ``max_size`` send, the most that such a call has needed on that group.
+#: Every replica updates it at the same calls, from what they all gathered, so
+#: every replica's is the same. Nothing else is in the key, so that replicas
+#: whose calls differ otherwise (a dict key, a dtype, other dims, max_size
+#: within a bucket) still send the same room, and the guard names the
+#: difference; calls that share a key send the largest room of them.
+_rooms: dict[tuple, int] = {}
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` cut or padded with zeros to ``size`` along ``dim`` (one torch call:
+    a gather of hundreds of leaves makes one per leaf)."""
+    if t.numel() == 0:  # (constant_pad_nd refuses a leaf with a dim of size 0)
+        return t.new_zeros(t.shape[:dim] + (size,) + t.shape[dim + 1 :])
+    return torch.constant_pad_nd(t, [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]], 0)
+
+
+def _packed(transport, rows: Rows, host, local, size: int, room: int) -> torch.Tensor:
+    """This replica's leaves, each padded (or cut) to ``size`` along its dim,
+    as ``room`` bytes on ``transport``'s device, dtype by dtype (as
+    :meth:`Rows.layout`); all zeros if they need more room."""
+    lay = rows.layout(size)
+    device = host[0].device if host else torch.device("cpu")
+    if lay.nbytes > room:
+        return transport.upload(torch.zeros(room, dtype=torch.uint8, device=device))
+    # (not zeroed first: only the bytes between dtypes and after the last are)
+    buf = torch.empty(room, dtype=torch.uint8, device=device)
+    end = 0
+    for (dtype, js), at, n in zip(rows.groups, lay.starts, lay.elements, strict=True):
+        buf[end:at].zero_()
+        end = at + n * dtype.itemsize
+        # (a shard larger than max_size is cut to it: it still takes part, so
+        # that every replica sees its true size and raises, instead of the
+        # others waiting in a gather it never joins)
+        parts = [host[j] if local[j] == size else _pad(host[j], rows.dims[j], size) for j in js]
+        _pack.fill(buf[at:end].view(dtype), parts)
+    buf[end:].zero_()
+    return transport.upload(buf)
+
+
+def _unpack(rows: Rows, every: torch.Tensor, sizes: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Each leaf's rows from every replica, in rank order, cut from ``every``
+    (every replica's :func:`_packed` bytes, ``(W, room)``, on the host) by
+    ``sizes`` (``(W, leaves)``)."""
+    lay = rows.layout(size)
+    if every.storage_offset() % 8 or not every.is_contiguous():  # (for the dtype views)
+        every = every.clone(memory_format=torch.contiguous_format)
+    counts = sizes.tolist()
+    data: list = [None] * len(rows.idx)
+    for (dtype, js), at, n, numels in zip(
+        rows.groups, lay.starts, lay.elements, lay.numels, strict=True
+    ):
+        if n:
+            group = every[:, at : at + n * dtype.itemsize].view(dtype)
+        else:  # (a view of no bytes may have any strides)
+            group = torch.empty(every.shape[0], 0, dtype=dtype)
+        for j, piece in zip(js, group.split(numels, 1), strict=True):
+            padded, d = piece.reshape(piece.shape[0], *lay.shapes[j]), rows.dims[j]
+            data[j] = torch.cat([padded[r].narrow(d, 0, c[j]) for r, c in enumerate(counts)], d)
+    return data
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a replica's leaves lie in its bytes when each is padded to one
+    size along its dim: dtype by dtype (:attr:`Rows.groups`), each dtype's
+    bytes padded to 8 (so that each starts aligned)."""
+
+    #: Each leaf's padded shape.
+    shapes: list[tuple[int, ...]]
+    #: Each dtype's first byte, its elements, and each of its leaves' elements.
+    starts: list[int]
+    elements: list[int]
+    numels: list[list[int]]
+    nbytes: int
+
+    @staticmethod
+    def of(rows: Rows, size: int) -> Layout:
+        shapes = [r[:d] + (size,) + r[d:] for r, d in zip(rows.rest, rows.dims, strict=True)]
+        numels = [[_pack.numel(shapes[j]) for j in js] for _, js in rows.groups]
+        starts, elements, at = [], [], 0
+        for (dtype, _), counts in zip(rows.groups, numels, strict=True):
+            starts.append(at)
+            elements.append(sum(counts))
+            at += sum(counts) * dtype.itemsize
+            at += -at % 8
+        return Layout(shapes, starts, elements, numels, at)
 
 
 def _output(flat, idx, data, scalars):
@@ -188,6 +297,16 @@ class Rows:
     group: torch.Tensor
     first: torch.Tensor
     last: torch.Tensor
+    _layouts: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def layout(self, size: int) -> Layout:
+        """The :class:`Layout` of these leaves padded to ``size`` (built once
+        per size: a call with ``max_size`` has one, one without a few buckets)."""
+        if size not in self._layouts:
+            if len(self._layouts) >= 64:  # (a max_size that changes on every call)
+                self._layouts.clear()
+            self._layouts[size] = Layout.of(self, size)
+        return self._layouts[size]
 
     @staticmethod
     def of(flat: _tree.Flat, dims: dict[int, int]) -> Rows:
@@ -308,6 +427,19 @@ def _shape_error(flat: _tree.Flat, rows: Rows, every: torch.Tensor) -> None:
         f"dims on every replica; rank 0 has shape {_shape(every[0, j])}, "
         f"rank {r} has {_shape(every[r, j])}"
     )
+
+
+def _check_needs(needs: list[int]) -> None:
+    """Raises, on every replica alike, if the replicas' leaves need different
+    bytes although their shapes agree: each would read the others' bytes as
+    its own, and only some would run again."""
+    if len(set(needs)) > 1:
+        r = next(r for r, n in enumerate(needs) if n != needs[0])
+        raise ValueError(
+            f"xcoll.gather: the replicas' leaves have the same shapes but need different "
+            f"bytes at their max_size (rank 0: {needs[0]}, rank {r}: {needs[r]}): their "
+            "dtypes or their max_size differ"
+        )
 
 
 def _check_max_size(flat, rows: Rows, sizes: torch.Tensor, max_size: int) -> None:
