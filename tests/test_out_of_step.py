@@ -376,3 +376,35 @@ def test_sub_group_messages_say_which_ranks_they_name():
     assert "this replica (rank 0 of the group (global rank 1))" in results[1], results[1]
     assert "rank 1 of the group (global rank 2) has" in results[1], results[1]
     assert "item" not in results[1], results[1]
+
+
+def _crossed(_):
+    """Ranks 1 and 2 call on two overlapping groups in opposite orders: every
+    first call waits for a rank that is in the other group's call."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    timeout = datetime.timedelta(seconds=3)
+    low, high = dist.new_group([0, 1, 2], timeout=timeout), dist.new_group([1, 2, 3], timeout=timeout)
+    order = {0: [low], 1: [low, high], 2: [high, low], 3: [high]}[rank]
+    outcome = ""
+    with _stderr_and_watchdog(1.0) as err:
+        try:
+            xcoll.reduce({"x": torch.ones(2)}, group=order[0])
+            outcome = "returned"
+        except RuntimeError as e:
+            outcome = str(e)
+    dist.barrier()
+    for g in (low, high):
+        dist.destroy_process_group(g)
+    return outcome, err.getvalue()
+
+
+def test_crossed_calls_on_overlapping_sub_groups_are_diagnosed():
+    results = shared_pool("gloo-4").run(_crossed, [None] * 4, timeout=120)
+    for rank, (outcome, printed) in enumerate(results):
+        assert "xcoll.reduce: a collective did not complete" in outcome, (rank, outcome)
+        assert "xcoll: xcoll.reduce on rank" in printed and "of the group (global rank" in printed, (
+            rank,
+            printed,
+        )
