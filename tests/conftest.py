@@ -8,6 +8,7 @@ import os
 import pytest
 from hypothesis import settings
 
+from tests.helpers import build_wheel, installed_from_wheel
 from tests.replicas import close_pools, shared_pool
 
 # In CI the examples are derived from the test names, so a run is reproducible;
@@ -50,6 +51,29 @@ def pool(request):
 @pytest.fixture(scope="session")
 def xla4():
     return shared_pool("xla-cpu-4")
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory):
+    """xcoll's wheel, built once per session from this checkout."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def from_wheel(tmp_path_factory, request) -> dict[str, str]:
+    """The environment variables under which a subprocess started outside the
+    checkout (its cwd elsewhere) imports xcoll as its wheel installs it:
+    none where xcoll is installed from it (.ci/run's newest-torch
+    environment), else ``PYTHONPATH`` to this checkout's wheel, unpacked
+    (an editable install's finder comes after it)."""
+    if installed_from_wheel():
+        return {}
+    import zipfile
+
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(request.getfixturevalue("wheel")) as z:
+        z.extractall(site)
+    return {"PYTHONPATH": str(site)}
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -98,16 +98,68 @@ def assert_trees(actual, expected, equal, what=""):
 XLA_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 
 
-def run(script: pathlib.Path, env: dict[str, str], *launcher: str) -> subprocess.CompletedProcess:
+def clean_env() -> dict[str, str]:
+    """This process's environment without what a launched script must not
+    inherit from the test process: XLA's and launchers' settings."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "CPU_"))}
     # USE_TORCH_XLA too: tests that start accelerate in-process set it to 0
     launch = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CI")
     for k in (*launch, "USE_TORCH_XLA"):
         clean.pop(k, None)
+    return clean
+
+
+def run(
+    script: pathlib.Path,
+    env: dict[str, str],
+    *launcher: str,
+    cwd: pathlib.Path | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    clean = clean_env()
     return subprocess.run(
         [sys.executable, *launcher, str(script)],
         env={**clean, **env},
         capture_output=True,
         text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+# ---- the wheel -----------------------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def build_wheel(dest: pathlib.Path) -> pathlib.Path:
+    """xcoll's wheel, built from this checkout's package files (copied first:
+    setuptools leaves build/ and egg-info next to what it builds) into
+    ``dest``, as ``pip wheel`` builds it for an install."""
+    import shutil
+
+    src = dest / "src"
+    src.mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "xcoll", src / "xcoll", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dest), str(src)],
+        check=True,
+        capture_output=True,
         timeout=300,
     )
+    (wheel,) = dest.glob("xcoll-*.whl")
+    return wheel
+
+
+def installed_from_wheel() -> bool:
+    """Whether a process started outside this checkout imports xcoll from
+    elsewhere: this environment's xcoll is a regular install, as from its
+    wheel (.ci/run's newest-torch environment), not an editable one."""
+    code = "import importlib.util; print(importlib.util.find_spec('xcoll').origin)"
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=60
+    )
+    origin = found.stdout.strip()
+    return found.returncode == 0 and not origin.startswith(str(ROOT / "xcoll"))

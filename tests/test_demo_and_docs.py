@@ -1,11 +1,13 @@
-"""The README's demo runs and checks itself; docstring examples are true.
-(The README's first screen runs under torch_xla.launch: tests/test_docs_run.py.)"""
+"""The README's demo runs and checks itself (from the wheel, as installed);
+docstring examples are true. (The README's first screen runs under
+torch_xla.launch: tests/test_docs_run.py.)"""
 
 from __future__ import annotations
 
 import doctest
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -18,12 +20,24 @@ import xcoll
 import xcoll._collectives
 
 
-def test_demo_runs_and_matches_the_single_process_reference():
+def test_demo_runs_from_the_wheel_and_matches_the_single_process_reference(
+    from_wheel, tmp_path
+):
+    # outside the checkout, xcoll as its wheel installs it: the example ships in it
+    pytest.importorskip("torch_xla")
     result = subprocess.run(
-        [sys.executable, "-m", "xcoll.demo"], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "xcoll.demo"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, **from_wheel},
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "OK" in result.stdout
+    (source,) = re.findall(r"^  the loop: (.*)$", result.stdout, re.M)
+    assert source.endswith(os.path.join("xcoll", "examples", "eval_loop.py")), source
+    assert not source.startswith(str(Path(__file__).parents[1] / "xcoll")), source
     assert "graph executions per replica: 10 (8 batches" in result.stdout
     # 1001 samples on 4 replicas: 251 each, in 7 batches of 32 and one of 27
     assert (
@@ -126,18 +140,13 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
 README = Path(__file__).parent.parent / "README.md"
 
 
-def _evaluate(args):
-    from xcoll.demo import load_example  # (the pool's worker may predate the path)
-
-    return load_example().evaluate(args)
-
-
 def test_eval_loop_example_on_every_world(pool):
-    from xcoll.demo import load_example
+    from xcoll.examples import eval_loop
 
     n, batch = 61, 4  # a multiple of neither W nor the batch
-    ref = load_example().reference(n)
-    for out in pool.run(_evaluate, [(n, batch)] * pool.world_size):
+    ref = eval_loop.reference(n)
+    args = [(n, batch, pool.device_type)] * pool.world_size
+    for out in pool.run(eval_loop.evaluate, args):
         assert torch.equal(out["preds"], ref["preds"])
         assert out["count"] == n
         assert out["accuracy"] == ref["accuracy"]

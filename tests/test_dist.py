@@ -96,7 +96,11 @@ def test_same_values_as_accelerate(gloo, run, data):
 
 # ---- one collective call per bucket ---------------------------------------------------
 
-_COUNTED = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast")
+# the all-gather into one tensor, by the name this torch calls it (xcoll's
+# DistTransport uses all_gather_single where it exists: newer torch deprecates
+# all_gather_into_tensor)
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_COUNTED = (GATHER, "all_gather", "all_reduce", "broadcast")
 
 
 def _count_calls(n_leaves, big=2, widen=None):
@@ -166,7 +170,7 @@ def _expected(what: str, leaf: torch.Tensor, i: int) -> torch.Tensor:
 @pytest.mark.parametrize("n_leaves", [5, 60])
 def test_one_collective_call_per_move_and_per_reduced_bucket(gloo, n_leaves):
     expected = {
-        "gather": {"all_gather_into_tensor": 1},  # every dtype in one buffer
+        "gather": {GATHER: 1},  # every dtype in one buffer
         # bfloat16 joins float32 (it accumulates in float32 anyway), int32 and
         # uint8 join int64 (every value fits; sums wrap the same once cast back)
         "sum": {"all_reduce": 2},
@@ -229,13 +233,97 @@ def test_merged_integer_reduces_wrap_as_each_dtype_does(gloo):
     assert gloo.run(_wrapping, [None] * w) == [expected] * w
 
 
+# Integer dtypes in the order of xcoll._call._INTS: a merged bucket takes the
+# widest one present (the last), which holds every value of each one before it,
+# except uint8's in int8.
+_INT_ORDER = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+# Per dtype, values on both sides of its sign bit (or of 128 for uint8), and
+# its extremes, whose sums and products wrap; rolled by rank, so that every
+# element's replicas hold values on both sides (a max of uint8 200 and 3 that
+# travelled as int8 would be 3).
+_CROSSING = {
+    torch.bool: [True, False, True, False, False, True],
+    torch.uint8: [200, 3, 130, 127, 255, 0],
+    torch.int8: [-120, 100, -1, 0, 127, -128],
+    torch.int16: [32000, -32000, 200, -129, 32767, -32768],
+    torch.int32: [2**31 - 10, -(2**31), 65536, -1, 200, 3],
+    torch.int64: [-(2**62), 2**40, 2**63 - 1, -1, 200, 3],
+}
+
+
+def _each_widest(_):
+    """For each integer dtype in turn as the widest: every op on a tree of it
+    and every integer dtype before it (and bools, for the ops that take them),
+    merged and with WIDEN=0, against the fold over every rank's leaf in its own
+    dtype (gloo has no int16 collective to compare with): ``(widest, op,
+    all-reduce calls merged, equal, calls apart, equal)`` each."""
+    from xcoll import _call
+
+    r, w = xcoll.rank(), xcoll.world_size()
+    fold = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
+    bools = {"prod": torch.logical_and, "max": torch.logical_or, "min": torch.logical_and}
+    calls = [0]
+    all_reduce = dist.all_reduce
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return all_reduce(*a, **k)
+
+    def per_leaf(d, op):
+        f = bools[op] if d == torch.bool else fold[op]
+        acc = torch.tensor(_CROSSING[d], dtype=d)
+        for k in range(1, w):  # (each rank's leaf, in its own dtype: integers wrap)
+            acc = f(acc, torch.tensor(_CROSSING[d], dtype=d).roll(k))
+        return acc
+
+    out = []
+    for widest in _INT_ORDER[1:]:
+        dtypes = _INT_ORDER[1 : _INT_ORDER.index(widest) + 1]
+        for op in ("sum", "prod", "max", "min"):
+            with_bools = [torch.bool] if op != "sum" else []
+            tree = {
+                str(d).removeprefix("torch."): torch.tensor(_CROSSING[d], dtype=d).roll(r)
+                for d in with_bools + dtypes
+            }
+            expected = {k: per_leaf(t.dtype, op) for k, t in tree.items()}
+            got = [str(widest).removeprefix("torch."), op]
+            for widen in (_call.WIDEN, 0):
+                before, _call.WIDEN, dist.all_reduce = _call.WIDEN, widen, counted
+                try:
+                    start = calls[0]
+                    result = xcoll.reduce(tree, op)
+                    got.append(calls[0] - start)
+                finally:
+                    dist.all_reduce, _call.WIDEN = all_reduce, before
+                got.append({k: result[k].tolist() for k in tree} == {k: v.tolist() for k, v in expected.items()})
+                got[-1] = got[-1] and all(result[k].dtype == tree[k].dtype for k in tree)
+            out.append(tuple(got))
+    return out
+
+
+def test_merged_integer_buckets_whose_widest_dtype_is_each_integer_dtype(gloo):
+    w = gloo.world_size
+    expected = []
+    for widest in _INT_ORDER[1:]:
+        name = str(widest).removeprefix("torch.")
+        n = _INT_ORDER.index(widest)  # integer dtypes in the tree
+        for op in ("sum", "prod", "max", "min"):
+            bools = op != "sum"
+            # merged: one all-reduce, and uint8 its own beside int8 (int8 cannot
+            # hold it), and a prod's bools their own (a bool's prod is its min);
+            # apart: one per dtype
+            merged = (2 if widest == torch.int8 else 1) + (op == "prod")
+            expected.append((name, op, merged, True, n + bools, True))
+    assert gloo.run(_each_widest, [None] * w) == [expected] * w
+
+
 def _count_unwidened(_):
     return _count_calls(5, widen=0)
 
 
 def test_integers_too_large_to_widen_keep_their_own_collective(gloo):
     expected = {
-        "gather": {"all_gather_into_tensor": 1},
+        "gather": {GATHER: 1},
         "sum": {"all_reduce": 4},  # float32 with bfloat16; int64, int32, uint8 each
         "mean+max": {"all_reduce": 4},
         "broadcast": {"broadcast": 1},
@@ -256,7 +344,7 @@ def _count_alone(_):
 def test_a_large_leaf_travels_alone_after_the_rest(gloo):
     # x000 (float32, 256 x 3: 3 KiB) alone; the header, x001 and x002 in one buffer
     expected = {
-        "gather": {"all_gather_into_tensor": 2},
+        "gather": {GATHER: 2},
         "sum": {"all_reduce": 2},
         "mean+max": {"all_reduce": 2},
         "broadcast": {"broadcast": 2},

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
 
 from tests.helpers import XLA_CPU, run
 
@@ -120,6 +118,9 @@ for p, (logits, y, idx) in enumerate(torch.utils.data.DataLoader(dataset, 2, sam
 
 
 def test_metrics_md_runs_under_torch_xla_launch(tmp_path):
+    from torchmetrics import MeanMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
     uneven, ordered, sums, torchmetrics = blocks(METRICS)
     script = tmp_path / "metrics.py"
     script.write_text(
@@ -182,6 +183,7 @@ def test_every_python_block_of_the_readme_and_docs_runs_in_a_test():
         test_launchers.snippet("xla"),
         test_launchers.snippet("torchrun"),
         test_launchers.snippet("exit"),
+        test_launchers.snippet("results"),
         test_out_of_step.snippet(),
         *(code for s in test_migration.SECTIONS.values() for _, code in s.values()),
     }

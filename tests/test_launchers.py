@@ -4,15 +4,27 @@ processes; and what a user sees when a launch is set up wrong."""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
+import shlex
+import subprocess
+import sys
 import textwrap
 
-from tests.helpers import XLA_CPU, run
+import pytest
+
+from tests.helpers import XLA_CPU, clean_env, run
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "launchers.md"
 
 
 TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+
+#: The tests that launch XLA replicas (skipped where torch_xla is not installed:
+#: .ci/run's newest-torch environment).
+needs_xla = pytest.mark.skipif(
+    importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed"
+)
 
 
 def torchrun(tmp_path: pathlib.Path, code: str, env: dict[str, str] | None = None):
@@ -29,8 +41,23 @@ def snippet(name: str) -> str:
     return textwrap.dedent(text.split("```python\n", 1)[1].split("```", 1)[0])
 
 
+def command(name: str, replace: dict[str, str]) -> list[str]:
+    """The docs' bash command after ``<!-- launcher: name -->`` as an argument
+    list (comments dropped, continuation lines joined, each key of ``replace``
+    replaced by its value), ``torchrun`` run by this interpreter."""
+    text = DOC.read_text().split(f"<!-- launcher: {name} -->", 1)[1]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if not line.lstrip().startswith("#")]
+    words = shlex.split(" ".join(lines).replace("\\ ", " "))
+    for key, value in replace.items():
+        words = [w.replace(key, value) for w in words]
+    assert words[0] == "torchrun", words
+    return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
 
 
+
+
+@needs_xla
 def test_torch_xla_launch_on_cpu_runs_the_docs_snippet(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(snippet("xla"))
@@ -42,6 +69,7 @@ def test_torch_xla_launch_on_cpu_runs_the_docs_snippet(tmp_path):
     assert "count [12] of 4 replicas" in result.stdout, result.stdout
 
 
+@needs_xla
 def test_a_thread_pool_smaller_than_the_replicas_is_named_not_aborted(tmp_path):
     # what a 2-core machine has by default; XLA alone would abort after 10 s
     script = tmp_path / "script.py"
@@ -54,6 +82,7 @@ def test_a_thread_pool_smaller_than_the_replicas_is_named_not_aborted(tmp_path):
     assert "Termination timeout" not in result.stderr
 
 
+@needs_xla
 def test_several_devices_without_a_launcher_are_named(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(snippet("xla").replace("torch_xla.launch(main)", "main(0)"))
@@ -285,3 +314,90 @@ def test_torchrun_without_init_process_group_raises_on_every_process(tmp_path):
             lines = [x for x in out if x.startswith(f"raised {name} {r} ")]
             assert len(lines) == 1 and started in lines[0], out
             assert "call torch.distributed.init_process_group first" in lines[0], lines
+
+
+@needs_xla
+def test_torch_xla_launch_runs_the_replicas_in_a_child_process(tmp_path):
+    # docs/launchers.md: what main() leaves in module-level state stays in the
+    # child process that ran the replicas; the parent's copy stays empty
+    script = tmp_path / "script.py"
+    script.write_text(snippet("results"))
+    result = run(script, {**XLA_CPU, "XLA_THREAD_POOL_SIZE": "16"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "results in the parent: {}", result.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_on_two_nodes_runs_the_eval_loop(from_wheel, tmp_path):
+    # docs/launchers.md, "Across hosts", on this machine: two torchrun agents,
+    # one per node, that meet by c10d rendezvous on 127.0.0.1 and start two
+    # processes each; every process runs xcoll's example eval loop (from the
+    # wheel) and checks its gathered result against one process's.
+    port = _free_port()
+    agents = [
+        subprocess.Popen(
+            command("nodes", {"NODE0:29400": f"127.0.0.1:{port}"}),
+            env={**clean_env(), **from_wheel},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [agent.communicate(timeout=300) for agent in agents]
+    for agent, (_, err) in zip(agents, outs, strict=True):
+        assert agent.returncode == 0, err[-3000:]
+    lines = sorted(
+        line for out, _ in outs for line in out.splitlines() if line.startswith("rank ")
+    )
+    assert len(lines) == 4, outs
+    nodes = {}
+    for r, line in enumerate(lines):
+        assert line.startswith(f"rank {r} of 4 (node "), line
+        assert line.endswith(": OK against one process"), line
+        assert "1001 samples" in line, line
+        nodes.setdefault(line.split("(node ")[1][0], []).append(r)
+    assert sorted(nodes.values()) == [[0, 1], [2, 3]], lines  # two processes on each node
+
+
+def _variables_read(tree) -> set[str]:
+    """The names that code reads from the environment: ``os.environ.get("NAME")``
+    calls, the keys of ``_DOWNCASTS`` (xcoll/_backends/xla.py) and the size
+    and rank variables of ``_LAUNCHERS`` (xcoll/_backends/_launch.py)."""
+    import ast
+
+    read = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "os.environ.get"
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            read.add(node.args[0].value)
+        elif isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "_DOWNCASTS":
+            read |= {k.value for k in node.value.keys}
+        elif isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "_LAUNCHERS":
+            read |= {e.elts[i].value for e in node.value.elts for i in (0, 1)}
+    return read
+
+
+def test_the_docs_list_every_environment_variable_xcoll_reads():
+    import ast
+
+    read = set()
+    for path in (pathlib.Path(__file__).resolve().parents[1] / "xcoll").rglob("*.py"):
+        if not {"testing", "examples"} & set(path.parts):  # (the pools, the examples)
+            read |= _variables_read(ast.parse(path.read_text()))
+    assert {"XCOLL_CHECK", "WORLD_SIZE", "PMI_RANK", "XLA_USE_BF16"} <= read  # (found)
+    table = DOC.read_text().split("<!-- environment -->", 1)[1].split("\n\n", 1)[0]
+    rows = table.strip().splitlines()[2:]
+    listed = {name for row in rows for name in row.split("|")[1].split("`")[1::2]}
+    assert listed == read

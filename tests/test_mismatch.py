@@ -187,6 +187,7 @@ def _downcast(kind):
 
 
 def test_dtypes_the_device_narrows_are_refused_on_every_replica():
+    pytest.importorskip("torch_xla")
     from xcoll.testing import XlaPool
 
     with XlaPool(2, env={"XLA_USE_BF16": "1"}) as pool:

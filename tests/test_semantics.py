@@ -287,6 +287,7 @@ print("ok")
 def test_one_program_whatever_the_values_under_default_settings():
     # torch_xla's defaults (special scalars on), one replica, in a fresh process:
     # the traced program of each call must not depend on the values or aliasing
+    pytest.importorskip("torch_xla")
     import os
     import subprocess
     import sys

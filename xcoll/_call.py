@@ -23,7 +23,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -38,10 +38,16 @@ OPS = ("sum", "mean", "max", "min", "prod")
 _FLOAT_OPS = {"sum": "sum", "mean": "sum", "prod": "prod", "max": "max", "min": "min"}
 _INT_OPS = {"sum": "sum", "prod": "prod", "max": "max", "min": "min"}
 _BOOL_OPS = {"max": "max", "min": "min", "prod": "min"}
+
 _REFUSED = {
     "mean": "mean needs a floating dtype (convert first, e.g. x.float())",
     "sum": 'sum of bools is ambiguous: use "max" for any, "min" for all, or sum x.int() to count',
 }
+
+
+def _reduce_op(bucket: _pack.Bucket) -> str:
+    """A reduce's bucket's op: its key is ``(dtype, op)``."""
+    return cast(tuple[Any, str], bucket.key)[1]
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ class Layout:
         sizes = [x.sizes for x in b]
         shapes = list(plan.shapes)
         casts = [x.casts for x in b]
-        means = list(plan.means) if plan.means else [() for _ in b]
+        means: list[tuple[tuple[int, int], ...]] = list(plan.means) or [() for _ in b]
         header_shape = ((gathered, guard) if gathered else (guard,)) if guard else None
         live = [k for k, x in enumerate(b) if x.size or (guard and k == 0 and not joined)]
         if joined:
@@ -142,6 +148,7 @@ class Layout:
                 part_shapes, sizes, shapes, means, casts, live, join, header_shape, apart
             )
         if guard:
+            assert header_shape is not None
             part_shapes[0] = ((guard,), *part_shapes[0])
             sizes[0] = [guard, *sizes[0]]
             shapes[0] = (header_shape, *shapes[0])
@@ -382,13 +389,13 @@ class Reduce(Packed):
         """The wire buffer of each live bucket (indices into ``plan.buckets``)."""
         shapes = [lay.part_shapes[k] for k in live]
         joined = kernels.pack(parts, shapes, [plan.buckets[k].dtype for k in live])
-        return kernels.encode_reduce(joined, [plan.buckets[k].key[1] for k in live])
+        return kernels.encode_reduce(joined, [_reduce_op(plan.buckets[k]) for k in live])
 
     def send(self, transport, wire, bucket, guard):
-        return transport.all_reduce(wire, bucket.key[1])
+        return transport.all_reduce(wire, _reduce_op(bucket))
 
     def how(self, bucket, transport):
-        return bucket.key[1]
+        return _reduce_op(bucket)
 
     def unpack(
         self, kernels: Kernels, plan: Plan, lay: Layout, live: list[int], results, world: int
@@ -399,7 +406,7 @@ class Reduce(Packed):
         return kernels.decode_reduce(
             results,
             [b.dtype for b in buckets],
-            [b.key[1] for b in buckets],
+            [_reduce_op(b) for b in buckets],
             [lay.means[k] for k in live],
             world,
         )
@@ -546,6 +553,7 @@ def call(
         with _guard.entered(
             transport, op.name, head, description, error, unread=unread, tag=tag
         ) as sig:
+            assert flat is not None and plan is not None  # (else entered raised the error)
             return op.apply(flat, transport, plan, sync, to_cpu, sig)
     finally:
         # An error raised here has this frame in its traceback: cleared, the
@@ -743,7 +751,7 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
     for b, bucket_pieces in zip(buckets, pieces, strict=True):
         _place(op, plan, b, bucket_pieces, out, w)
     del pieces
-    bucket_pieces = None
+    bucket_pieces = []
     if not to_cpu:
         fetch = blocks + ([header] if header is not None else [])
         if sync and fetch:

@@ -28,7 +28,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,15 @@ _local = threading.local()  # the mode set by consistency_checks, per thread
 
 
 class CollectiveMismatchError(RuntimeError):
-    """Replicas made different collective calls; raised on every replica."""
+    """Replicas made different collective calls; raised on every replica.
+
+    The message names the call and the first difference, with what this
+    replica and the first disagreeing one have, e.g. ``xcoll.gather: replicas
+    made different calls; the first difference: this replica (rank 0) has
+    tree['b']: float32 tensor of shape (2, 3); rank 1 has tree['c']: ...``.
+    Every xcoll call raises it where the replicas' trees, parameters or tags
+    differ; the replicas can go on with their next call (docs/reliability.md).
+    """
 
 
 CollectiveMismatchError.__module__ = "xcoll"  # where users import it from
@@ -49,8 +57,28 @@ CollectiveMismatchError.__module__ = "xcoll"  # where users import it from
 
 @contextlib.contextmanager
 def consistency_checks(mode: str) -> Iterator[None]:
-    """Checks calls made in this block (on this thread) in ``mode``:
-    ``"guard"``, ``"always"`` or ``"never"``."""
+    """Checks the calls that this thread makes inside the block in ``mode``,
+    instead of ``XCOLL_CHECK``'s (default ``"guard"``).
+
+    Args:
+        mode: ``"guard"`` (a replica's first call on each process group is
+            checked in full, and every call carries the guard), ``"always"``
+            (every call is checked in full before it communicates: one small
+            collective more per call, which names every difference before any
+            engine sees a buffer) or ``"never"`` (neither). Every replica must
+            use the same mode.
+
+    Returns:
+        A context manager; the previous mode is back when its block ends.
+
+    Raises:
+        ValueError: ``mode`` is not one of the three (on entering the block).
+
+    >>> import torch, xcoll
+    >>> with xcoll.consistency_checks("always"):
+    ...     xcoll.reduce(torch.tensor([1.0]))
+    tensor([1.])
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     previous = getattr(_local, "mode", None)
@@ -65,7 +93,7 @@ def consistency_checks(mode: str) -> Iterator[None]:
 # checks the first call of this process (of this replica, on XLA) on each group,
 # whichever thread makes it, so that every member of a group agrees on which
 # call is its first (a first call on a sub-group is not one on the world).
-_called: set = set()
+_called: set[Hashable] = set()
 _called_lock = threading.Lock()
 
 
@@ -114,7 +142,7 @@ def describe(
     lines = []
     for i, (path, leaf) in enumerate(zip(flat.paths, flat.leaves, strict=True)):
         if isinstance(leaf, torch.Tensor):
-            shape = list(leaf.shape)
+            shape: list[int | str] = list(leaf.shape)
             if uneven_dims and i in uneven_dims:
                 shape[uneven_dims[i]] = "*"
             what = f"{str(leaf.dtype).removeprefix('torch.')} tensor of shape ({', '.join(map(str, shape))})"
@@ -151,7 +179,7 @@ def verify(
     mine = [*lines, *body.lines]
     every = _exchange.gather_bytes(transport, "\n".join(mine).encode("utf-8", "surrogatepass"))
     assert every is not None
-    theirs = every[other].decode("utf-8", "surrogatepass").split("\n")
+    theirs = (every[other] or b"").decode("utf-8", "surrogatepass").split("\n")
     message = f"{name}: {_difference(transport, mine, theirs, other)}"
     if error is None:
         raise CollectiveMismatchError(message)

@@ -26,9 +26,28 @@ MAX_DEPTH = 200
 
 
 def encode(obj: Any) -> bytes:
-    """``obj`` as bytes; ``TypeError`` naming the path of anything unsupported.
+    """``obj`` as bytes, in xcoll's own encoding (what the object calls send).
 
-    >>> decode(encode({"a": (1, -0.0, None), 2: [b"x", "é", 10**30]}))
+    Exact: types are preserved (a tuple stays a tuple, dict order is kept),
+    floats keep every bit (NaN payloads, ``-0.0``), ints any size. No pickle:
+    :func:`xcoll.decode_object` runs no code.
+
+    Args:
+        obj: None, bool, int, float, str, bytes, or a list, tuple or dict (str
+            or int keys) of them, nested at most 200 levels deep. Subclasses
+            are refused (an ``IntEnum`` would come back as a plain int).
+
+    Returns:
+        The encoding, which :func:`xcoll.decode_object` turns back into an
+        equal value.
+
+    Raises:
+        TypeError: a value or dict key of another type, naming its path
+            (``obj['a'][2]``).
+        ValueError: ``obj`` is nested more than 200 levels deep.
+
+    >>> import xcoll
+    >>> xcoll.decode_object(xcoll.encode_object({"a": (1, -0.0, None), 2: [b"x", "é", 10**30]}))
     {'a': (1, -0.0, None), 2: [b'x', 'é', 1000000000000000000000000000000]}
     """
     out = bytearray()
@@ -38,7 +57,7 @@ def encode(obj: Any) -> bytes:
 
 # Where ``_encode`` is: None at the root, else (the parent's place, a format
 # for this step, its key or index). Written out only for an error.
-_Place = tuple | None
+_Place = tuple[Any, str, Any] | None
 
 
 def _path(at: _Place) -> str:
@@ -98,7 +117,25 @@ def _encode(obj: Any, out: bytearray, at: _Place, depth: int) -> None:
 
 
 def decode(data: bytes) -> Any:
-    """The value :func:`encode` made; ``ValueError`` if ``data`` is not exactly one."""
+    """The value that :func:`xcoll.encode_object` made.
+
+    Reads only the format's tags and lengths: malformed bytes raise and never
+    run code.
+
+    Args:
+        data: bytes (or any bytes-like object) holding exactly one encoded value.
+
+    Returns:
+        The decoded value, equal to the one encoded, types preserved.
+
+    Raises:
+        ValueError: ``data`` is not exactly one encoded value (malformed, cut
+            short, or with bytes after it), naming the offset.
+
+    >>> import xcoll
+    >>> xcoll.decode_object(xcoll.encode_object([1, "two", 3.0]))
+    [1, 'two', 3.0]
+    """
     buf = memoryview(bytes(data))  # (its length in bytes, whatever ``data``'s item size)
     value, end = _decode(buf, 0, 0)
     if end != len(buf):

@@ -33,27 +33,72 @@ def gather(
     leaf is ``out[r]``). A 0-d leaf gives shape ``(W,)`` either way. The output's
     rank never depends on ``W``. A Python scalar leaf gives a list of ``W`` values.
 
-    All leaves must have the same shapes and dtypes on every replica. ``to_cpu=True``
-    returns CPU tensors, fetched with one transfer per packed buffer. With
-    ``sync=False`` nothing is executed: the collectives join the caller's pending
-    graph (tensor leaves only; on eager backends the call completes anyway).
-    ``group`` selects a torch.distributed process group (default: the default
-    group); the backend follows from the leaves' device (see docs/design.md).
-    ``tag`` (a str or an int) names the call, with any :func:`xcoll.step`
-    around it: the replicas' tags must match, or every replica raises
-    :class:`xcoll.CollectiveMismatchError` naming both (a replica that skipped
-    a call is named at its next one; docs/reliability.md).
+    All leaves must have the same shapes and dtypes on every replica, and be on
+    one device, whose backend the call uses (XLA, torch.distributed, or a world
+    of one: docs/design.md). One packed collective carries the whole tree.
 
     ``uneven=True`` lets tensor leaves differ in size along ``dim`` between
     replicas (other dims and dtypes must match); the result holds exactly every
     replica's entries, in rank order, and an empty shard is valid. It costs one
-    small shape exchange for the whole tree, then one gather of leaves padded to
-    a shared power-of-two size (so XLA compiles a bounded number of graphs); with
-    ``max_size`` (an upper bound known on every replica, e.g. the batch size) there
-    is no exchange and the call is a single execution. Uneven gathers stage
-    through the host (``sync=True`` only; ``stack`` does not apply).
+    small shape exchange for the whole tree, then one gather. On XLA the leaves
+    are padded to a shared size bucket (the next power of two of the largest
+    size, so XLA compiles a bounded number of graphs); on torch.distributed each
+    replica sends its exact bytes in one buffer, padded only at its end to the
+    largest replica's (docs/metrics.md). With ``max_size`` (an upper bound known
+    on every replica, e.g. the batch size) there is no exchange and the call is
+    a single execution. Uneven gathers stage through the host (``sync=True``
+    only; ``stack`` does not apply).
 
     The input is left unmodified; outputs are new tensors that never require grad.
+
+    Args:
+        tree: a pytree (dicts, lists, tuples, namedtuples, ... as optree
+            flattens them; ``None`` is an empty subtree) of tensors and Python
+            bool, int and float leaves, of the same structure on every replica.
+        dim: the dimension along which tensor leaves are concatenated (or
+            stacked).
+        stack: insert a new axis of size ``W`` at ``dim`` instead of
+            concatenating along it.
+        sync: run the call now (on XLA: one graph execution, with the caller's
+            pending work). With ``False`` nothing is executed: the collectives
+            join the caller's pending graph (tensor leaves only; on eager
+            backends the call completes anyway).
+        to_cpu: return CPU tensors, fetched with one transfer per packed buffer.
+        uneven: let tensor leaves differ in size along ``dim`` between replicas.
+        max_size: with ``uneven``, an upper bound on every leaf's size along
+            ``dim``, the same on every replica (implies ``uneven``).
+        group: a torch.distributed process group (default: the default group);
+            not for XLA leaves.
+        tag: a str or an int that names the call, with any :class:`xcoll.step`
+            around it. The replicas' tags must match, or every replica raises
+            :class:`xcoll.CollectiveMismatchError` naming both (a replica that
+            skipped a call is named at its next one; docs/reliability.md).
+
+    Returns:
+        A tree of ``tree``'s structure: each tensor leaf gathered (new tensors
+        on the leaves' device, or on the CPU with ``to_cpu``), each Python
+        scalar leaf a list of the ``W`` replicas' values in rank order.
+
+    Raises:
+        TypeError: a leaf that is not a tensor, bool, int or float (or a
+            complex, sparse, nested or meta tensor), leaves on two devices, CPU
+            leaves in a process that runs XLA replicas, a ``dim`` or ``tag`` of
+            the wrong type; raised before any communication, naming the leaf's
+            path.
+        ValueError: ``dim`` out of range, ``uneven`` with ``stack``, a leaf
+            larger than ``max_size``, Python scalars or ``to_cpu`` with
+            ``sync=False``, ``group`` with XLA leaves or on a rank that is not
+            its member.
+        xcoll.CollectiveMismatchError: the replicas' calls differ (tree,
+            shapes, dtypes, parameters or tags); raised on every replica, naming
+            the first difference and both ranks.
+        xcoll.ConcurrentCallError: another thread of this process called on
+            the same process group at the same time (the group is unusable on
+            this process from then on).
+        RuntimeError: the launch went wrong (a launcher started this process as
+            one of several but no process group is initialised; an XLA:CPU
+            thread pool smaller than the replicas), or a collective did not
+            complete (a replica that never came: the engine's timeout).
 
     >>> import torch, xcoll
     >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
@@ -76,15 +121,39 @@ def reduce(
 ) -> Any:
     """The elementwise reduction of every replica's leaves.
 
-    ``op`` is one of ``"sum" "mean" "max" "min" "prod"``, or an optree prefix tree of
-    them (``{"loss": "mean", "count": "sum"}``). Shapes, dtypes and devices are
-    preserved. max/min propagate NaN; integer sums and products wrap as the dtype
-    does; float16 and bfloat16 sums, products and means accumulate in float32 and
-    are rounded once. Refused, before any communication: mean of integers or
-    bools, sum of bools (use ``"max"`` for any, ``"min"`` for all, or sum
-    ``x.int()`` to count). ``group`` and ``tag`` as in :func:`gather`.
+    Shapes, dtypes and devices are preserved. max/min propagate NaN; integer
+    sums and products wrap as the dtype does; float16 and bfloat16 sums,
+    products and means accumulate in float32 and are rounded once. One
+    collective per dtype and op (fewer where merging stays exact).
 
     The input is left unmodified; outputs are new tensors that never require grad.
+
+    Args:
+        tree: a pytree of tensors and Python bool, int and float leaves, as in
+            :func:`gather`, with the same shapes and dtypes on every replica.
+        op: one of ``"sum" "mean" "max" "min" "prod"``, or an optree prefix tree
+            of them (``{"loss": "mean", "count": "sum"}``). Refused: mean of
+            integers or bools, sum of bools (use ``"max"`` for any, ``"min"``
+            for all, or sum ``x.int()`` to count).
+        sync: as in :func:`gather`.
+        group: as in :func:`gather`.
+        tag: as in :func:`gather`.
+
+    Returns:
+        A tree of ``tree``'s structure whose leaves are the reduced values (new
+        tensors on the leaves' device; Python scalars for Python scalar leaves).
+
+    Raises:
+        TypeError: an unsupported leaf (as in :func:`gather`), or an op its
+            dtype refuses (mean of integers or bools, sum of bools), naming
+            the leaf's path; before any communication.
+        ValueError: an unknown op, an op tree that is not a prefix of ``tree``,
+            Python scalars with ``sync=False``, ``group`` with XLA leaves or on
+            a rank that is not its member.
+        xcoll.CollectiveMismatchError: the replicas' calls differ (as in
+            :func:`gather`; ops included).
+        xcoll.ConcurrentCallError: as in :func:`gather`.
+        RuntimeError: as in :func:`gather`.
 
     >>> import torch, xcoll
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
@@ -104,10 +173,33 @@ def broadcast(
     """Replica ``src``'s leaves, bit for bit, on every replica.
 
     Values of the other replicas (NaN included) never reach the result; their
-    leaves only need the same shapes and dtypes as ``src``'s. ``src`` is a rank in
-    ``group`` (``group`` and ``tag`` as in :func:`gather`).
+    leaves only need the same shapes and dtypes as ``src``'s.
 
     The input is left unmodified; outputs are new tensors that never require grad.
+
+    Args:
+        tree: a pytree of tensors and Python bool, int and float leaves, as in
+            :func:`gather`, with the same shapes and dtypes on every replica.
+        src: the rank, in ``group``, whose leaves every replica gets.
+        sync: as in :func:`gather`.
+        group: as in :func:`gather`.
+        tag: as in :func:`gather`.
+
+    Returns:
+        A tree of ``tree``'s structure with ``src``'s values (new tensors on
+        the leaves' device; Python scalars for Python scalar leaves).
+
+    Raises:
+        TypeError: an unsupported leaf (as in :func:`gather`), naming its path.
+        ValueError: ``src`` is not a rank in ``[0, W)``; Python scalars with
+            ``sync=False``; ``group`` with XLA leaves or on a rank that is not
+            its member.
+        xcoll.CollectiveMismatchError: the replicas' calls differ (as in
+            :func:`gather`; ``src`` included). On torch.distributed the
+            broadcast is a star from ``src``: the receivers raise, and ``src``
+            returns its own tree, its result whatever the others did.
+        xcoll.ConcurrentCallError: as in :func:`gather`.
+        RuntimeError: as in :func:`gather`.
 
     >>> import torch, xcoll
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
@@ -117,7 +209,22 @@ def broadcast(
 
 
 def rank(group: Any = None) -> int:
-    """This replica's rank in ``[0, world_size(group))``.
+    """This replica's rank.
+
+    Args:
+        group: a torch.distributed process group (default: the default group,
+            or the XLA replicas where XLA's runtime runs here).
+
+    Returns:
+        The rank in ``[0, world_size(group))``: the XLA replica's, the rank in
+        ``group``, or 0 in a plain single process (a world of one).
+
+    Raises:
+        ValueError: ``group`` is one this process is not a member of.
+        RuntimeError: a launcher started this process as one of several
+            (``WORLD_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE`` > 1) but no
+            process group is initialised (docs/launchers.md), or ``group`` is
+            given and torch.distributed is not initialised.
 
     >>> import xcoll
     >>> xcoll.rank()
@@ -127,8 +234,23 @@ def rank(group: Any = None) -> int:
 
 
 def world_size(group: Any = None) -> int:
-    """The number of replicas: XLA replicas, the torch.distributed process group
-    (``group``, default: the default group), or 1 in a plain single process."""
+    """The number of replicas.
+
+    Args:
+        group: as in :func:`rank`.
+
+    Returns:
+        The number of XLA replicas, of processes in ``group`` (default: the
+        default process group), or 1 in a plain single process.
+
+    Raises:
+        ValueError: as in :func:`rank`.
+        RuntimeError: as in :func:`rank`.
+
+    >>> import xcoll
+    >>> xcoll.world_size()
+    1
+    """
     return _backends.current(group).world_size()
 
 
@@ -140,6 +262,13 @@ def sync() -> None:
     same graph once per thread, followed by a wait for this replica's execution;
     elsewhere it does nothing. A wait of more than a few seconds (a replica
     that skipped a call) prints xcoll's diagnosis to stderr.
+
+    Raises:
+        RuntimeError: as in :func:`rank` (a launched process without a process
+            group).
+
+    >>> import xcoll
+    >>> xcoll.sync()  # a world of one: nothing is pending
     """
     transport = _backends.current()
     if transport.world_size() == 1:

@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, NoReturn
 
 import torch
 
@@ -151,7 +153,7 @@ def fire(
     signature: Signature | None,
     src: int | None = None,
     received: Any = None,
-) -> None:
+) -> NoReturn:
     """Raises :class:`CollectiveMismatchError` for a call whose header says the
     replicas' calls differ. Every replica gets the same verdict, so they all
     exchange their descriptions, and the error names the first difference and
@@ -216,8 +218,15 @@ def diagnosis(rank: str, signature: Signature, seconds: float) -> str:
 
 
 class ConcurrentCallError(_check.CollectiveMismatchError):
-    """Two threads of one process called xcoll on one process group at once;
-    the group is unusable from then on (:class:`exclusive`)."""
+    """Two threads of one process called xcoll on one process group at once.
+
+    Collectives pair by order, and two threads' calls on one group cannot be
+    ordered the same on every replica: the group is unusable on this process
+    from then on (every later call on it raises this at once, without
+    communicating), so that the other replicas fail (time out) instead of
+    pairing their calls with the wrong ones. A subclass of
+    :class:`CollectiveMismatchError`.
+    """
 
 
 ConcurrentCallError.__module__ = "xcoll"
@@ -282,7 +291,12 @@ class entered:
             error = None  # noqa: F841
         return None if mode == "never" or self.unread else signature
 
-    def __exit__(self, kind, value, traceback) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         self._leave(value)
 
     def _leave(self, error: BaseException | None) -> None:
@@ -303,14 +317,14 @@ class entered:
 
 
 # group_key -> [the calling thread's ident, whether another call overlapped it]
-_busy: dict = {}
+_busy: dict[Hashable, list[Any]] = {}
 _busy_lock = threading.Lock()
 # The groups on which two threads' calls overlapped: unusable from then on, on
 # this process (:class:`exclusive`). torch.distributed groups by the group
 # object, weakly (a new group, even one with the same name, is usable); other
 # engines' groups by key, for the life of the process.
-_unusable_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_unusable_keys: dict = {}
+_unusable_groups: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_unusable_keys: dict[Hashable, str] = {}
 
 
 class exclusive:
@@ -330,7 +344,7 @@ class exclusive:
 
     def __init__(self, transport: Transport, name: str):
         self.transport, self.name = transport, name
-        self.entry: list | None = None
+        self.entry: list[Any] | None = None
 
     def __enter__(self) -> None:
         t = self.transport
@@ -361,7 +375,12 @@ class exclusive:
                 )
             self.entry = _busy[key] = [me, False]
 
-    def __exit__(self, kind, value, traceback) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         entry, self.entry = self.entry, None
         if entry is None:
             return

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _backends, _call, _check, _codec, _exchange, _guard, _pack
+from ._backends.base import Transport
 
 
 def _encode_or_error(obj: Any) -> tuple[bytes | None, Exception | None]:
@@ -29,7 +30,9 @@ def _raise_for(failed: list[int], mine: Exception | None, what: str) -> None:
     raise ValueError(f"{what}: replica(s) {failed} could not encode their object (see their error)")
 
 
-def _entered(name: str, head: str, group: Any, tag: Any, error: Exception | None = None):
+def _entered(
+    name: str, head: str, group: Any, tag: Any, error: Exception | None = None
+) -> tuple[Transport, _guard.entered]:
     """The call's entry (:func:`xcoll._guard.entered`) on its transport."""
     transport = _backends.current(group)
     description = _check.Description(())
@@ -39,10 +42,30 @@ def _entered(name: str, head: str, group: Any, tag: Any, error: Exception | None
 def gather_object(obj: Any, *, group: Any = None, tag: str | int | None = None) -> list[Any]:
     """Every replica's ``obj``, as a list in rank order.
 
-    ``obj`` is JSON-like (see :func:`xcoll.encode_object`): None, bool, int, float,
-    str, bytes, and lists, tuples and dicts (str or int keys) of them. Values come
-    back exactly, types preserved. ``obj`` is left unmodified. ``group`` and
-    ``tag`` as in :func:`xcoll.gather`.
+    Values come back exactly, types preserved, encoded by xcoll's own codec
+    (never pickle). ``obj`` is left unmodified. One size exchange and one data
+    collective.
+
+    Args:
+        obj: a JSON-like value (see :func:`xcoll.encode_object`): None, bool,
+            int, float, str, bytes, and lists, tuples and dicts (str or int
+            keys) of them. It may differ between replicas in value and size.
+        group: as in :func:`xcoll.gather`.
+        tag: as in :func:`xcoll.gather`.
+
+    Returns:
+        A list of ``W`` values: rank ``r``'s ``obj`` at index ``r``.
+
+    Raises:
+        TypeError: on a replica whose ``obj`` the codec cannot encode, naming
+            its path (the other replicas raise ``ValueError``).
+        ValueError: on a replica whose ``obj`` is nested more than 200 levels
+            deep, and on the others where some replica could not encode its
+            ``obj`` (naming its rank).
+        xcoll.CollectiveMismatchError: the replicas' calls differ (another
+            function or tag).
+        xcoll.ConcurrentCallError: as in :func:`xcoll.gather`.
+        RuntimeError: as in :func:`xcoll.gather`.
 
     >>> import xcoll
     >>> xcoll.gather_object({"epoch": 3, "tags": ("a", "b")})  # a world of one
@@ -51,21 +74,43 @@ def gather_object(obj: Any, *, group: Any = None, tag: str | int | None = None) 
     transport, entry = _entered("xcoll.gather_object", "", group, tag)
     with entry as signature:
         data, error = _encode_or_error(obj)
-        tag = b"" if signature is None else signature.fingerprint()[:8]
-        every = _exchange.gather_bytes(transport, data, tag)
-        if every is None:  # the tags differ: so do the calls
+        fingerprint = b"" if signature is None else signature.fingerprint()[:8]
+        every = _exchange.gather_bytes(transport, data, fingerprint)
+        if every is None:  # the fingerprints differ: so do the calls
             _guard.fire(transport, signature)
         failed = [r for r, d in enumerate(every) if d is None]
         if failed:
             _raise_for(failed, error, "gather_object")
-        return [_codec.decode(d) for d in every]
+        return [_codec.decode(d) for d in every if d is not None]  # (none is None)
 
 
 def broadcast_object(
     obj: Any, *, src: int = 0, group: Any = None, tag: str | int | None = None
 ) -> Any:
-    """Replica ``src``'s ``obj`` on every replica (the others' ``obj`` is ignored).
-    ``group`` and ``tag`` as in :func:`xcoll.gather`.
+    """Replica ``src``'s ``obj`` on every replica.
+
+    Encoded by xcoll's own codec (never pickle): one size broadcast and one
+    data broadcast.
+
+    Args:
+        obj: on ``src``, a JSON-like value (as in :func:`gather_object`); on
+            the other replicas it is ignored.
+        src: the rank, in ``group``, whose ``obj`` every replica gets.
+        group: as in :func:`xcoll.gather`.
+        tag: as in :func:`xcoll.gather`.
+
+    Returns:
+        ``src``'s ``obj``, decoded (a new value, equal to it, types preserved).
+
+    Raises:
+        TypeError: on ``src``, where its ``obj`` cannot be encoded, naming the
+            path (the other replicas raise ``ValueError``).
+        ValueError: ``src`` is not a rank in ``[0, W)``; on the receivers, where
+            ``src`` could not encode its ``obj``.
+        xcoll.CollectiveMismatchError: the replicas' calls differ (``src``
+            included).
+        xcoll.ConcurrentCallError: as in :func:`xcoll.gather`.
+        RuntimeError: as in :func:`xcoll.gather`.
 
     >>> import xcoll
     >>> xcoll.broadcast_object(["config", {"lr": 0.1}])
@@ -80,11 +125,12 @@ def broadcast_object(
         try:
             size = _call.run(_call.Broadcast(src), size, transport, signature=signature)
         except _check.CollectiveMismatchError as e:
-            if getattr(e, "received", None) is None:
+            received = getattr(e, "received", None)  # (set by _guard.fire)
+            if received is None:
                 raise
             # a receiver's one-sided verdict (gloo): src goes on to send its
             # data, so this replica receives it before raising
-            size, mismatch = e.received, e
+            size, mismatch = received, e
         if size < 0:
             _raise_for([src], error, "broadcast_object")
         buf = transport.upload(_exchange.bytes_tensor(data or b"", _pack.size_bucket(size)))
@@ -97,8 +143,21 @@ def broadcast_object(
 def barrier(tag: str = "", *, group: Any = None) -> None:
     """Waits until every replica has called ``barrier`` with the same ``tag``.
 
-    Replicas that pass different tags all raise ``ValueError`` naming every
-    replica's tag (a replica that never calls is the backend's timeout to catch).
+    A replica that never calls is the backend's timeout to catch (xcoll's
+    diagnosis is printed to stderr after 5 s).
+
+    Args:
+        tag: a str that names the barrier; every replica must pass the same.
+        group: as in :func:`xcoll.gather`.
+
+    Raises:
+        TypeError: ``tag`` is not a str.
+        ValueError: the replicas passed different tags; raised on every
+            replica, naming every replica's tag.
+        xcoll.CollectiveMismatchError: the replicas' calls differ otherwise (a
+            barrier against another call, or different step tags).
+        xcoll.ConcurrentCallError: as in :func:`xcoll.gather`.
+        RuntimeError: as in :func:`xcoll.gather`.
 
     >>> import xcoll
     >>> xcoll.barrier("epoch-end")

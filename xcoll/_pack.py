@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -90,7 +91,8 @@ def plan(
     [[(2, 0), (0, 2), (1, 5)]]
     """
     buckets: dict[Hashable, Bucket] = {}
-    tensors: dict[Hashable, list[tuple[int, tuple[int, ...], int]]] = {}
+    # (cast, not first, numel, shape, leaf, dtype): sorted by all but the dtype
+    tensors: dict[Hashable, list[tuple[str, bool, int, tuple[int, ...], int, torch.dtype]]] = {}
     scalar_leaves: list[int] = []
     for i, leaf in enumerate(leaves):
         if keys[i] not in buckets:
@@ -333,7 +335,7 @@ def parts(
     """The tensors whose concatenation is the bucket's packed buffer, one per
     entry of ``bucket.part_shapes``: its tensor leaves, then one 1-d tensor of
     its Python scalars, made on the host and moved by ``upload`` (once)."""
-    out = [leaves[s.leaf] for s in bucket.tensors]
+    out = [cast(torch.Tensor, leaves[s.leaf]) for s in bucket.tensors]
     if bucket.scalars:
         values = [leaves[s.leaf] for s in bucket.scalars]
         out.append(upload(torch.tensor(values, dtype=bucket.dtype)))

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, cast
 
 import optree
 import torch
 
 from . import _backends, _call, _check, _guard
+from ._backends.base import Transport
 
 
-def _numpy():
+def _numpy() -> ModuleType | None:
     try:
         import numpy
     except ImportError:
@@ -33,13 +35,38 @@ def _numpy():
     return numpy
 
 
-def _xla_device():
+def _xla_device() -> Any:
+    """This replica's XLA device, or None (Any: torch_xla's RNG functions are
+    annotated to take the device's name, and take the device)."""
     return sys.modules["torch_xla"].device() if _backends.xla_runtime_running() else None
 
 
 def rng_state(generators: Sequence[torch.Generator] = ()) -> dict[str, Any]:
-    """The states of every generator in use, as a pytree (CPU tensors and Python
-    scalars) that :func:`xcoll.broadcast` can carry and :func:`set_rng_state` applies."""
+    """The states of every generator in use, as a pytree.
+
+    Read: torch's CPU generator, Python's ``random``, NumPy's global
+    generator, CUDA's generators (where CUDA is initialised), the XLA device
+    generator (where XLA's runtime runs here) and every generator passed in.
+    The tree has the same structure on every replica that uses the same
+    generators, so :func:`xcoll.broadcast` can carry it.
+
+    Args:
+        generators: ``torch.Generator`` objects of your own to read too.
+
+    Returns:
+        A dict of CPU tensors and Python scalars that :func:`set_rng_state`
+        applies.
+
+    Raises:
+        AttributeError: an item of ``generators`` is not a ``torch.Generator``.
+
+    >>> import random, xcoll
+    >>> state = xcoll.rng_state()
+    >>> first = random.random()
+    >>> xcoll.set_rng_state(state)
+    >>> random.random() == first
+    True
+    """
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -72,10 +99,29 @@ def rng_state(generators: Sequence[torch.Generator] = ()) -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any], generators: Sequence[torch.Generator] = ()) -> None:
-    """Applies a tree made by :func:`rng_state` (tensors on any device)."""
+    """Applies a tree made by :func:`rng_state`: every generator it holds
+    draws from where it was when the tree was made.
+
+    Args:
+        state: what :func:`rng_state` returned (here or on another replica,
+            e.g. after :func:`xcoll.broadcast`; tensors on any device).
+        generators: the ``torch.Generator`` objects whose states ``state``
+            holds, in the order they were passed to :func:`rng_state`.
+
+    Raises:
+        ValueError: ``generators`` is not as long as the list ``state`` holds.
+        KeyError: ``state`` is not a tree that :func:`rng_state` made.
+
+    >>> import torch, xcoll
+    >>> state = xcoll.rng_state()
+    >>> a = torch.rand(2)
+    >>> xcoll.set_rng_state(state)
+    >>> torch.equal(torch.rand(2), a)
+    True
+    """
     # Own storage for every tensor: torch.set_rng_state reads the storage, and a
     # view into a packed buffer (what a collective returns) crashes it.
-    cpu = optree.tree_map(lambda x: x.cpu().clone() if isinstance(x, torch.Tensor) else x, state)
+    cpu: dict[str, Any] = _map_tensors(lambda x: x.cpu().clone(), state)
     torch.set_rng_state(cpu["torch"])
     py = cpu["python"]
     internal = tuple(int(v) for v in py["internal"].tolist())
@@ -89,6 +135,7 @@ def set_rng_state(state: dict[str, Any], generators: Sequence[torch.Generator] =
     if "numpy" in cpu:
         n = cpu["numpy"]
         np = _numpy()
+        assert np is not None, "numpy is one of xcoll's dependencies"
         np.random.set_state(
             ("MT19937", n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"])
         )
@@ -110,8 +157,27 @@ def sync_rng_state(
     """Gives every replica replica ``src``'s generator states, in one xcoll call.
 
     Afterwards ``torch.rand``, the XLA RNG, ``random.random()``, NumPy and every
-    generator in ``generators`` draw the same values on every replica.
-    ``group`` and ``tag`` as in :func:`xcoll.gather`.
+    generator in ``generators`` draw the same values on every replica. The
+    caller's pending work runs first, on its own; then one
+    :func:`xcoll.broadcast` carries :func:`rng_state` (one graph execution on
+    XLA) and every replica applies it.
+
+    Args:
+        src: the rank, in ``group``, whose states every replica gets.
+        generators: ``torch.Generator`` objects of your own to sync too; every
+            replica passes the same number.
+        group: as in :func:`xcoll.gather`.
+        tag: as in :func:`xcoll.gather`.
+
+    Raises:
+        ValueError: ``src`` is not a rank in ``[0, W)``.
+        xcoll.CollectiveMismatchError: the replicas' calls differ (``src``, or
+            the generators read: docs/reliability.md).
+        xcoll.ConcurrentCallError: as in :func:`xcoll.gather`.
+        RuntimeError: as in :func:`xcoll.gather`.
+
+    >>> import xcoll
+    >>> xcoll.sync_rng_state()  # a world of one: its own states
     """
     transport = _backends.current(group)
     head = f"src={src} generators={len(generators)}"
@@ -120,18 +186,26 @@ def sync_rng_state(
         _sync(transport, src, generators, signature)
 
 
-def _sync(transport, src: int, generators: Sequence[torch.Generator], signature) -> None:
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], state: dict[str, Any]) -> Any:
+    """``state`` with ``fn`` applied to its tensor leaves."""
+    return optree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, cast(Any, state))
+
+
+def _sync(
+    transport: Transport,
+    src: int,
+    generators: Sequence[torch.Generator],
+    signature: _guard.Signature | None,
+) -> None:
     # The caller's pending work runs first, on its own: replicas that drew
     # different numbers of random values (why they sync) have different pending
     # graphs, which in the broadcast's graph would be different programs.
     # (Nothing pending: no execution.)
     transport.sync()
-    state = optree.tree_map(
-        lambda x: transport.upload(x) if isinstance(x, torch.Tensor) else x, rng_state(generators)
-    )
+    state = _map_tensors(transport.upload, rng_state(generators))
     synced = _call.run(_call.Broadcast(src), state, transport, signature=signature)
     leaves, spec = optree.tree_flatten(synced)
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     for i, host in zip(tensors, transport.to_host([leaves[i] for i in tensors]), strict=True):
         leaves[i] = host
-    set_rng_state(optree.tree_unflatten(spec, leaves), generators)
+    set_rng_state(cast(dict[str, Any], optree.tree_unflatten(spec, leaves)), generators)

@@ -18,11 +18,29 @@ from . import _tree
 def by_index(tree: Any, index: torch.Tensor, *, dim: int = 0, length: int | None = None) -> Any:
     """Every sample of ``tree`` once, ordered by its dataset ``index``.
 
-    ``index`` is a 1-d integer tensor with one entry per sample (the samples lie
-    along ``dim`` of every tensor leaf); where an index repeats, its first sample
-    is kept. With ``length``, the indices must be exactly ``0 .. length-1``
-    (``ValueError`` naming what is missing otherwise). Python scalar leaves are
-    returned as they are.
+    A pure function of gathered data: gather each sample's dataset index with
+    its data (``DistributedSampler`` repeats samples to even out the replicas,
+    and a gather is in rank order), then put them back in dataset order. Where
+    an index repeats, its first sample is kept.
+
+    Args:
+        tree: a pytree whose tensor leaves hold one sample per entry of
+            ``index`` along ``dim``; Python scalar leaves are returned as they are.
+        index: a 1-d integer tensor, each sample's index in the dataset.
+        dim: the dimension of the tensor leaves along which the samples lie.
+        length: the dataset's length, if known: the indices must then be
+            exactly ``0 .. length - 1``.
+
+    Returns:
+        A tree of ``tree``'s structure whose tensor leaves hold each index's
+        first sample, in increasing index order.
+
+    Raises:
+        TypeError: ``index`` is not a 1-d integer tensor; an unsupported leaf
+            (as in :func:`xcoll.gather`).
+        ValueError: with ``length``, the indices are not exactly
+            ``0 .. length - 1`` (naming what is missing or outside); a tensor
+            leaf without one sample per index along ``dim``, naming its path.
 
     >>> import torch
     >>> from xcoll import by_index

@@ -125,7 +125,8 @@ def flatten(tree: Any) -> Flat:
             "levels, more than optree flattens"
         ) from None
     try:
-        signature = tuple(
+        # per leaf: (dtype, shape, device, layout) of a tensor, a scalar's type
+        signature: tuple[Any, ...] = tuple(
             [
                 (leaf.dtype, leaf.shape, leaf.device, leaf.layout)
                 if isinstance(leaf, torch.Tensor)
@@ -239,12 +240,14 @@ def _first_twin_keys(treespec: optree.PyTreeSpec) -> tuple[str, type, str]:
         spec, steps = stack.pop()
         if spec.is_leaf() or not spec.num_children:
             continue
+        assert spec.type is not None  # (a leaf's is None)
         entries = spec.entries()
         data = (None, entries) if spec.type is collections.defaultdict else entries
         twin = _twin_keys(spec.type, data)
         if twin is not None:
             return _short_path(steps), spec.type, twin
         entry = optree.register_pytree_node.get(spec.type, namespace=spec.namespace)
+        assert entry is not None  # (every node type of a treespec is registered)
         stack.extend(
             (child, (*steps, entry.path_entry_type(e, spec.type, spec.kind)))
             for e, child in reversed(list(zip(entries, spec.children(), strict=True)))

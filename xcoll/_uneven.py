@@ -139,6 +139,7 @@ class UnevenGather(_call.Op):
         checked that their shapes agree), and its key keeps that room.
         Returns the gathered tensor leaves (on the host) and scalars."""
         size = self.max_size
+        assert size is not None  # (apply calls this with max_size only)
         key = (
             transport.group_key,
             transport.world_size(),

@@ -1,34 +1,20 @@
-"""xcoll's demo: the evaluation loop of ``docs/examples/eval_loop.py`` on 4
-XLA:CPU replicas, checked against the same model evaluated in one process.
+"""xcoll's demo: the evaluation loop of :mod:`xcoll.examples.eval_loop`
+(``xcoll/examples/eval_loop.py``) on 4 XLA:CPU replicas, checked against the
+same model evaluated in one process.
 
-Run it from the repository with ``python -m xcoll.demo``.
+Run it with ``python -m xcoll.demo`` wherever xcoll and torch_xla are installed
+(``pip install 'xcoll[xla]'``): the example ships in the package.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
+import importlib.util
 
 import torch
 
+from xcoll.examples import eval_loop as example
 from xcoll.testing import XlaPool, xla_counters
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
-
-
-def load_example():
-    """``docs/examples/eval_loop.py`` as the module ``eval_loop``. Its folder goes
-    on ``sys.path`` so that the replicas' worker (which inherits it) can import it."""
-    if not (EXAMPLES / "eval_loop.py").exists():
-        raise SystemExit(
-            f"{EXAMPLES / 'eval_loop.py'} not found: run the demo from a checkout of xcoll"
-        )
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import eval_loop
-
-    return eval_loop
 
 
 def compiled_graphs(samples: int, replicas: int, batch: int) -> list[str]:
@@ -62,11 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args(argv)
-    example = load_example()
+    try:
+        found = importlib.util.find_spec("torch_xla") is not None
+    except (ImportError, ValueError):  # (a module that stands in for it)
+        found = False
+    if not found:
+        raise SystemExit(
+            "the demo runs its eval loop on XLA:CPU replicas and needs torch_xla: "
+            "pip install 'xcoll[xla]' (xcoll.examples.eval_loop also runs under torchrun "
+            "without it: python -m xcoll.examples.eval_loop --help)"
+        )
 
     with XlaPool(args.replicas) as pool:
         before = pool.run(xla_counters)[0]
-        results = pool.run(example.evaluate, [(args.samples, args.batch)] * args.replicas)
+        results = pool.run(example.evaluate, [(args.samples, args.batch, "xla")] * args.replicas)
         after = pool.run(xla_counters)[0]
     r0, ref = results[0], example.reference(args.samples)
     executions = (after["executions"] - before["executions"]) / args.replicas
@@ -76,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         f"xcoll demo: eval loop on {args.replicas} XLA:CPU replicas, "
         f"{args.samples} samples, batch {args.batch}"
     )
+    print(f"  the loop: {example.__file__}")
     print(
         f"  predictions: {len(r0['preds'])} in dataset order, each sample once "
         f"(equal to the single-process ones: {torch.equal(r0['preds'], ref['preds'])}; "

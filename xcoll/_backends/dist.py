@@ -25,6 +25,14 @@ _OPS = {
 _WIDER = {torch.int16: torch.int32}
 
 
+def _all_gather_single() -> Callable[..., Any]:
+    """torch.distributed's all-gather into one tensor: ``all_gather_single``
+    where torch has it (newer torch deprecates the old name with a
+    FutureWarning), else ``all_gather_into_tensor`` (torch 2.9). Looked up at
+    each call, as tests wrap it there."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _not_a_member(group: Any) -> bool:
     # dist.new_group returns this int to the ranks it leaves out, on which
     # every use of it as a group would fail deep inside (no group_name).
@@ -59,11 +67,11 @@ class DistTransport(Transport):
         # module-level set, it outlived destroy_process_group, and its
         # destructor at interpreter exit aborted gloo processes ("terminate
         # called without an active exception": 5 runs in 12, 0 without it).
-        group = self.group if self.group is not None else dist.group.WORLD
-        return ("dist", group.group_name)
+        return ("dist", self.group_object.group_name)
 
     @property
-    def group_object(self):
+    def group_object(self) -> Any:
+        # (WORLD is set: torch.distributed is initialised, __init__ checked)
         return self.group if self.group is not None else dist.group.WORLD
 
     def rank(self) -> int:
@@ -82,7 +90,7 @@ class DistTransport(Transport):
             return self.all_gather(buf.view(torch.uint8)).view(buf.dtype)
         out = buf.new_empty(self.world_size() * buf.numel())
         try:
-            work = dist.all_gather_into_tensor(out, buf, group=self.group, async_op=True)
+            work = _all_gather_single()(out, buf, group=self.group, async_op=True)
         except (RuntimeError, NotImplementedError):
             # A backend without it: the list form, writing into views of ``out``.
             self._start(dist.all_gather, list(out.chunk(self.world_size())), buf)

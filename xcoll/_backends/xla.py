@@ -484,13 +484,14 @@ class XlaTransport(Transport):
         redo = [i for i in flat.zero_d if _xlac.data_handle(leaves[i]) is not None]
         tensors = flat.tensors
         handles = _xlac.data_handles([leaves[i] for i in tensors])
+        shared: Sequence[int | None]
         if handles is not None:  # all data: any two that share a buffer (t, t.detach())
             shared = handles if len(set(handles)) < len(handles) else []
         elif len({id(leaves[i]) for i in tensors}) < len(tensors):  # one tensor twice
             shared = [id(leaves[i]) if _xlac.data_handle(leaves[i]) else None for i in tensors]
         else:
             shared = []
-        seen: set[int] = set()
+        seen: set[int | None] = set()
         for i, h in zip(tensors, shared, strict=False):
             if h is not None and h in seen and i not in redo:
                 redo.append(i)
@@ -520,7 +521,9 @@ class XlaTransport(Transport):
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
         _xlac.reset_token(self.device)
-        return xm.all_reduce(_REDUCE_TYPES[op], buf, pin_layout=False)
+        out = xm.all_reduce(_REDUCE_TYPES[op], buf, pin_layout=False)
+        assert isinstance(out, torch.Tensor)  # (a list for a list of inputs)
+        return out
 
     def wait(self) -> None:
         _xlac.reset_token(self.device)

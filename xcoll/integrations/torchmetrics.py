@@ -56,15 +56,15 @@ def sync_states(
     # One call: tensor states are stacked (one row per replica), list states
     # concatenated, whatever their lengths.
     every = xcoll.gather(local, uneven=True, group=group)
-    synced = {}
+    synced: dict[str, dict[str, Any]] = {}
     for name, m in members.items():
         synced[name] = {}
         for attr, fx in m._reductions.items():
             value = every[name][attr]
             if isinstance(getattr(m, attr), list):
                 synced[name][attr] = value  # cat states: already the concatenation
-            else:
-                synced[name][attr] = value if fx is None else fx(value)
+            else:  # (add_state keeps a str dist_reduce_fx as its function)
+                synced[name][attr] = fx(value) if callable(fx) else value
     return synced
 
 

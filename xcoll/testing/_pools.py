@@ -18,7 +18,15 @@ from xcoll.testing._workers import _gloo_worker, _xla_worker
 
 
 class ReplicaError(RuntimeError):
-    """One or more replicas raised; ``failures`` maps rank -> :class:`RemoteFailure`."""
+    """One or more replicas raised in :meth:`ReplicaPool.run`.
+
+    The message lists every failed rank's exception and ends with the first
+    one's traceback.
+
+    Attributes:
+        failures: rank -> :class:`RemoteFailure`, for every rank that raised
+            (or did not return after another one raised).
+    """
 
     def __init__(self, failures: dict[int, RemoteFailure]):
         self.failures = failures
@@ -31,12 +39,22 @@ class ReplicaError(RuntimeError):
 
 
 class PoolCrashed(RuntimeError):
-    """The pool's worker died or did not answer in time; the message ends with
-    the tail of its stderr. The next call starts a fresh worker."""
+    """The pool's worker died (an XLA abort, a segfault, a killed process) or
+    did not answer within the timeout (a hang). The message ends with the tail
+    of the workers' stderr. The next :meth:`ReplicaPool.run` starts fresh
+    workers."""
 
 
 class ReplicaPool(ABC):
-    """W replicas that run ``fn`` together. Subclasses bind a collectives engine."""
+    """W replicas that run a function together: the interface of
+    :class:`XlaPool`, :class:`GlooPool` and :class:`LocalPool`.
+
+    A pool is a context manager: leaving the ``with`` block closes it.
+
+    Attributes:
+        world_size: the number of replicas, W.
+        device_type: ``torch.device.type`` of the replicas' tensors, e.g. "xla".
+    """
 
     world_size: int
     #: ``torch.device.type`` of the replicas' tensors, e.g. "xla".
@@ -51,17 +69,38 @@ class ReplicaPool(ABC):
         timeout: float | None = None,
         return_exceptions: bool = False,
     ) -> list[Any]:
-        """Calls ``fn(per_rank_args[r])`` (or ``fn()``) on every replica ``r`` at once
-        and returns ``[result_0, ..., result_{W-1}]``.
+        """Calls ``fn`` on every replica at once and returns what each returned.
 
-        Raises :class:`ReplicaError` if any replica raised (or, with
-        ``return_exceptions=True``, puts a :class:`RemoteFailure` in its place), and
-        :class:`PoolCrashed` if the replicas died or did not finish within
-        ``timeout`` seconds.
+        ``fn`` and the arguments travel to the replicas by reference and pickle
+        (a module-level function, picklable values; in :class:`LocalPool`
+        nothing is pickled). A replica that hangs or a worker that dies
+        becomes an exception within ``timeout``.
+
+        Args:
+            fn: a module-level function, called as ``fn(per_rank_args[r])`` on
+                replica ``r`` (or ``fn()``); it makes the replicas' xcoll calls.
+            per_rank_args: one argument per replica, or None to call ``fn()``.
+            timeout: seconds to wait for every replica (default: the pool's).
+            return_exceptions: put a :class:`RemoteFailure` in place of a
+                failed replica's result instead of raising.
+
+        Returns:
+            ``[result_0, ..., result_{W-1}]``, in rank order (results travel back
+            by pickle: return CPU values).
+
+        Raises:
+            ReplicaError: some replica raised (unless ``return_exceptions``).
+            PoolCrashed: the replicas died or did not finish within ``timeout``.
+            ValueError: ``per_rank_args`` does not have one entry per replica.
         """
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stops the replicas; the next :meth:`run` starts them afresh.
+
+        Raises:
+            Nothing; a worker that does not stop within 5 s is killed.
+        """
 
     def __enter__(self) -> ReplicaPool:
         return self
@@ -85,7 +124,14 @@ class LocalPool(ReplicaPool):
     world_size = 1
     device_type = "cpu"
 
-    def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
+    def run(
+        self,
+        fn: Callable[..., Any],
+        per_rank_args: Sequence[Any] | None = None,
+        *,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
         try:
             return [fn() if per_rank_args is None else fn(per_rank_args[0])]
         except Exception as e:
@@ -98,10 +144,25 @@ class LocalPool(ReplicaPool):
 
 
 def xla_cpu_env(world_size: int) -> dict[str, str]:
-    """The environment under which W XLA:CPU replicas can run collectives in one
-    process (measured; see docs/design.md): W CPU devices, the asynchronous
-    client, a thread pool large enough for every replica to reach a rendezvous,
-    and no special-cased scalar constants (which make replicas' graphs differ)."""
+    """The environment under which W XLA:CPU replicas can run collectives in
+    one process (measured; see docs/design.md): W CPU devices, the
+    asynchronous client, a thread pool large enough for every replica to
+    reach a rendezvous, and no special-cased scalar constants (which make
+    replicas' graphs differ). :class:`XlaPool` starts its worker with it.
+
+    Args:
+        world_size: the number of replicas, W.
+
+    Returns:
+        Environment variables and their values, to set before torch_xla starts.
+
+    Raises:
+        Nothing; it only builds the dict.
+
+    >>> from xcoll.testing import xla_cpu_env
+    >>> xla_cpu_env(4)["CPU_NUM_DEVICES"], xla_cpu_env(4)["XLA_THREAD_POOL_SIZE"]
+    ('4', '16')
+    """
     return {
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": str(world_size),
@@ -112,14 +173,21 @@ def xla_cpu_env(world_size: int) -> dict[str, str]:
 
 
 def xla_counters() -> dict[str, int]:
-    """Process-wide torch_xla counts: graph executions and compilations. Call it
-    from a replica; in a thread-per-device pool it counts all replicas.
+    """Process-wide torch_xla counts: graph executions and compilations.
 
-    Read once they stop moving (two reads 50 ms apart agree, within 1 s):
-    torch_xla counts an execution when it ends, on the device's thread, which
-    can be just after the fetch that waited for it has returned, so a read
-    right after a call could miss it and the next read count it (seen in the
-    tests and the benchmark, under load)."""
+    Call it from a replica (``pool.run(xla_counters)``); in a thread-per-device
+    pool it counts all replicas together. Read once they stop moving (two
+    reads 50 ms apart agree, within 1 s): torch_xla counts an execution when it
+    ends, on the device's thread, which can be just after the fetch that
+    waited for it has returned, so a read right after a call could miss it and
+    the next read count it (seen in the tests and the benchmark, under load).
+
+    Returns:
+        ``{"executions": n, "compiles": m}`` since the process started.
+
+    Raises:
+        ImportError: torch_xla is not installed.
+    """
     import torch_xla.debug.metrics as met
 
     def count(name: str) -> int:
@@ -164,9 +232,21 @@ class _SpawnedPool(ReplicaPool):
         self._logs.append(log)
 
     def stderr_tail(self, n: int = 4000) -> str:
-        """The end of each worker's stderr. After a fatal signal, the end of what
-        came before faulthandler's dump (the native library's own message, e.g.
-        XLA's abort) and the start of the dump (every thread's stack)."""
+        """The end of each worker's stderr, as the pool's errors quote it.
+
+        After a fatal signal: the end of what came before faulthandler's dump
+        (the native library's own message, e.g. XLA's abort) and the start of
+        the dump (every thread's stack).
+
+        Args:
+            n: about how many characters in all, shared between the workers.
+
+        Returns:
+            The workers' tails, one after the other ("" before the first run).
+
+        Raises:
+            Nothing; a log that cannot be decoded is read with replacements.
+        """
         tails = []
         budget = n // max(1, len(self._logs))
         for log in self._logs:
@@ -205,7 +285,14 @@ class _SpawnedPool(ReplicaPool):
         return [v for _, v in results]
 
     def close(self, kill: bool = False) -> None:
-        """Stops the workers (at once with ``kill=True``, else after their current call)."""
+        """Stops the workers; the next :meth:`run` starts them afresh.
+
+        Args:
+            kill: kill them at once, instead of after their current call.
+
+        Raises:
+            Nothing; a worker that does not stop within 5 s is killed.
+        """
         for proc, conn in zip(self._procs, self._conns, strict=True):
             if proc.is_alive() and not kill:
                 try:
@@ -233,7 +320,20 @@ class XlaPool(_SpawnedPool):
     then the number of devices, and ``world_size`` must match it).
 
     The XLA runtime starts in the worker with :func:`xla_cpu_env` (plus ``env``), so
-    the calling process never initialises XLA.
+    the calling process never initialises XLA. The worker starts at the first
+    :meth:`run`, and again after a crash; README.md has an example.
+
+    Args:
+        world_size: the number of replicas, W.
+        device: ``"CPU"`` or ``"TPU"``.
+        timeout: seconds a :meth:`run` waits for every replica by default.
+        grace: seconds the other replicas get to return after one raised
+            (they may wait forever in a collective it never reached), before
+            they are reported as not having returned.
+        env: more environment variables for the worker.
+
+    Raises:
+        ValueError: ``world_size`` is less than 1.
     """
 
     device_type = "xla"
@@ -254,7 +354,14 @@ class XlaPool(_SpawnedPool):
     def _start(self) -> None:
         self._spawn(_xla_worker, self.world_size, self._env, self.grace)
 
-    def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
+    def run(
+        self,
+        fn: Callable[..., Any],
+        per_rank_args: Sequence[Any] | None = None,
+        *,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
         self._prepare(per_rank_args)
         timeout = self.timeout if timeout is None else timeout
         conn, proc = self._conns[0], self._procs[0]
@@ -278,8 +385,18 @@ class GlooPool(_SpawnedPool):
     Each process runs ``init_process_group("gloo")`` once (with the usual
     ``MASTER_ADDR``/``RANK``/``WORLD_SIZE`` variables set, so libraries that read
     them, such as accelerate, find the same group) and then serves calls on its
-    main thread. ``collective_timeout`` is gloo's own timeout for a collective that
-    some rank never joins.
+    main thread. The processes start at the first :meth:`run`, and again after
+    a crash or a call that some ranks failed while others went on.
+
+    Args:
+        world_size: the number of processes, W.
+        timeout: seconds a :meth:`run` waits for every process by default.
+        grace: as in :class:`XlaPool`.
+        collective_timeout: gloo's own timeout, in seconds, for a collective
+            that some rank never joins.
+
+    Raises:
+        ValueError: ``world_size`` is less than 1.
     """
 
     device_type = "cpu"
@@ -302,7 +419,14 @@ class GlooPool(_SpawnedPool):
         for rank in range(self.world_size):
             self._spawn(_gloo_worker, rank, self.world_size, port, self.collective_timeout)
 
-    def run(self, fn, per_rank_args=None, *, timeout=None, return_exceptions=False):
+    def run(
+        self,
+        fn: Callable[..., Any],
+        per_rank_args: Sequence[Any] | None = None,
+        *,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
         self._prepare(per_rank_args)
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit

@@ -17,7 +17,18 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RemoteFailure:
-    """What a replica raised (or that it never returned)."""
+    """What a replica raised (or that it never returned), as
+    :class:`ReplicaError` holds it and ``run(..., return_exceptions=True)``
+    returns it in the replica's place.
+
+    Attributes:
+        rank: the replica's rank.
+        type_name: the exception type's qualified name, e.g.
+            ``"builtins.TypeError"`` (``"xcoll.testing.DidNotReturn"`` for a
+            replica that did not return after another one raised).
+        message: ``str()`` of the exception.
+        traceback: the replica's formatted traceback ("" if it did not return).
+    """
 
     rank: int
     type_name: str  # qualified name of the exception type, e.g. "builtins.TypeError"
@@ -34,12 +45,16 @@ def _failure(rank: int, e: BaseException) -> RemoteFailure:
     return RemoteFailure(rank, f"{t.__module__}.{t.__qualname__}", str(e), traceback.format_exc())
 
 
-def _task(fn: Callable[..., Any], per_rank_args: Sequence[Any] | None, rank: int) -> tuple:
+#: What one replica runs: the function, whether it takes an argument, the argument.
+Task = tuple[Callable[..., Any], bool, Any]
+
+
+def _task(fn: Callable[..., Any], per_rank_args: Sequence[Any] | None, rank: int) -> Task:
     """What one replica runs: ``fn(per_rank_args[rank])``, or ``fn()``."""
     return (fn, per_rank_args is not None, None if per_rank_args is None else per_rank_args[rank])
 
 
-def _call(rank: int, task: tuple) -> tuple[int, bool, Any]:
+def _call(rank: int, task: Task) -> tuple[int, bool, Any]:
     """Runs a task on this replica: ``(rank, True, result)`` or ``(rank, False, failure)``."""
     fn, has_arg, arg = task
     try:

@@ -14,12 +14,15 @@ import faulthandler
 import os
 import queue
 import threading
+from multiprocessing.connection import Connection
 from typing import Any
 
-from xcoll.testing._remote import _call, _failure, _Results, _task
+from xcoll.testing._remote import Task, _call, _failure, _Results, _task
 
 
-def _replica(device: Any, inbox: queue.Queue, outbox: queue.Queue) -> None:
+def _replica(
+    device: Any, inbox: queue.Queue[Task | None], outbox: queue.Queue[tuple[int, bool, Any]]
+) -> None:
     """One replica's thread: it is the replica's main thread for every call."""
     import torch_xla.runtime as xr
 
@@ -41,7 +44,7 @@ def _to_log(log: str) -> None:
     faulthandler.enable(all_threads=True)
 
 
-def _xla_worker(conn, log: str, world_size: int, env: dict[str, str], grace: float) -> None:
+def _xla_worker(conn: Connection, log: str, world_size: int, env: dict[str, str], grace: float) -> None:
     """XlaPool's worker: one thread per XLA device, serving calls until ``None``."""
     _to_log(log)
     os.environ.update(env)  # before the XLA runtime starts in this process
@@ -55,8 +58,8 @@ def _xla_worker(conn, log: str, world_size: int, env: dict[str, str], grace: flo
     if len(devices) != world_size:
         raise RuntimeError(f"expected {world_size} XLA devices, found {len(devices)}: {devices}")
     _xlac.warm_up_fallbacks(devices[0])
-    inboxes = [queue.Queue() for _ in devices]
-    outbox: queue.Queue = queue.Queue()
+    inboxes: list[queue.Queue[Task | None]] = [queue.Queue() for _ in devices]
+    outbox: queue.Queue[tuple[int, bool, Any]] = queue.Queue()
     for device, inbox in zip(devices, inboxes, strict=True):
         threading.Thread(target=_replica, args=(device, inbox, outbox), daemon=True).start()
 
@@ -79,7 +82,7 @@ def _xla_worker(conn, log: str, world_size: int, env: dict[str, str], grace: flo
             os._exit(0)  # stuck replica threads cannot be recovered
 
 
-def _gloo_worker(conn, log: str, rank: int, world_size: int, port: int, timeout: float) -> None:
+def _gloo_worker(conn: Connection, log: str, rank: int, world_size: int, port: int, timeout: float) -> None:
     """GlooPool's worker for one rank: joins the gloo group, serves calls until ``None``."""
     _to_log(log)
     os.environ.update(

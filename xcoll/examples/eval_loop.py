@@ -16,14 +16,24 @@ batch is short. Still, every sample is counted exactly once:
   the others' earlier batches.
 
 ``evaluate`` runs on each replica: with ``xcoll.testing.XlaPool(4).run(evaluate,
-...)`` on XLA:CPU, or in any process of a torch.distributed job.
+...)`` on XLA:CPU (what ``python -m xcoll.demo`` does), or in every process of
+a torch.distributed job, which this module is when run by torchrun::
+
+    torchrun --nproc-per-node 2 -m xcoll.examples.eval_loop
+
+(on several hosts: docs/launchers.md, "Across hosts").
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, TensorDataset
 
 import xcoll
 
@@ -48,24 +58,32 @@ def make_dataset(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
 
 
-def replica_device() -> torch.device:
-    import sys
+def replica_device(kind: str) -> torch.device:
+    """The replica's device of ``kind``: ``"xla"``, this replica's XLA device
+    (``torch_xla.device()``), or ``"cpu"`` (a torch.distributed process with
+    gloo, or a world of one)."""
+    if kind == "xla":
+        import torch_xla
 
-    torch_xla = sys.modules.get("torch_xla")
-    if torch_xla is not None and torch_xla._XLAC._xla_runtime_is_initialized():
-        return torch_xla.device()
-    return torch.device("cpu")
+        dev: torch.device = torch_xla.device()
+        return dev
+    return torch.device(kind)
 
 
-def evaluate(args: tuple[int, int]) -> dict:
-    """One replica's loop over its shard of ``n`` samples in batches of ``batch``."""
-    n, batch = args
-    dev = replica_device()
+def evaluate(args: tuple[int, int, str]) -> dict[str, Any]:
+    """One replica's loop over its shard of ``n`` samples in batches of
+    ``batch``, with its tensors on a device of ``kind`` (``args``: ``(n, batch,
+    kind)``, as :meth:`xcoll.testing.ReplicaPool.run` passes one argument)."""
+    n, batch, kind = args
+    dev = replica_device(kind)
     rank, world = xcoll.rank(), xcoll.world_size()
     model = make_model().to(dev)
     x, y = make_dataset(n)
 
-    mine = torch.tensor(list(DistributedSampler(range(n), world, rank, shuffle=True, seed=0)))
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        TensorDataset(x, y), world, rank, shuffle=True, seed=0
+    )
+    mine = torch.tensor(list(sampler))
     # The sampler pads to a multiple of W by repeating samples: position p of this
     # replica is sample p * W + rank of the padded order, a repeat if >= n.
     real = rank + world * torch.arange(len(mine)) < n
@@ -101,7 +119,7 @@ def evaluate(args: tuple[int, int]) -> dict:
     }
 
 
-def reference(n: int) -> dict:
+def reference(n: int) -> dict[str, Any]:
     """The same evaluation in one process over the whole dataset."""
     model = make_model()
     x, y = make_dataset(n)
@@ -112,3 +130,44 @@ def reference(n: int) -> dict:
         "loss": F.cross_entropy(logits, y, reduction="sum").item() / n,
         "accuracy": (logits.argmax(-1) == y).double().mean().item(),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Every process of a torch.distributed job (gloo, CPU tensors) evaluates
+    its shard and checks the gathered result against :func:`reference`; each
+    prints one line, and the exit status is 0 where its result matched."""
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(
+        description="xcoll's eval loop in every process of a torchrun job (gloo), e.g. "
+        "torchrun --nproc-per-node 2 -m xcoll.examples.eval_loop"
+    )
+    parser.add_argument("--samples", type=int, default=1001)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    try:
+        out = evaluate((args.samples, args.batch, "cpu"))
+        ref = reference(args.samples)
+        ok = (
+            torch.equal(out["preds"], ref["preds"])
+            and out["count"] == args.samples
+            and out["accuracy"] == ref["accuracy"]
+            and abs(out["loss"] - ref["loss"]) < 1e-5
+        )
+        node, local = os.environ.get("GROUP_RANK", "?"), os.environ.get("LOCAL_RANK", "?")
+        where = f"node {node}, local rank {local}"
+        # one write per line: the processes share the launcher's stdout
+        sys.stdout.write(
+            f"rank {xcoll.rank()} of {xcoll.world_size()} ({where}): {out['count']} samples, "
+            f"accuracy {out['accuracy']:.4f}, mean loss {out['loss']:.6f}: "
+            f"{'OK' if ok else 'MISMATCH'} against one process\n"
+        )
+        sys.stdout.flush()
+    finally:
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
