@@ -4,6 +4,11 @@ A skeleton fixes structure, leaf kinds, dtypes and shapes (which must agree on
 every replica); values differ by rank and by position and include -0.0, NaN
 (with any payload and sign), +-inf, subnormals and integer extremes; 0-d leaves
 often coincide (0.0, -0.0, 1.0), and a rank may pass one tensor under two paths.
+
+Leaves are mostly small (at most 27 elements); about one in ten holds a few
+hundred bytes to 4 KiB, often exactly a gather header's 256 bytes (a slot as
+large as the header, every slot one size, is a layout of its own: see
+:func:`skeletons`), with values drawn from a seed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ DTYPES = [
     torch.float16,
     torch.int32,
     torch.int64,
+    torch.int16,
+    torch.int8,
     torch.uint8,
     torch.bool,
 ]
@@ -44,15 +51,32 @@ class ScalarSpec:
     kind: type  # bool, int or float
 
 
-def _tensor_specs(dtypes):
-    def build(dtype, shape, transposed):
-        return TensorSpec(dtype, shape, transposed and len(shape) == 2)
+#: A gather's guard header: 64 int32 words (xcoll._guard.size("gather")).
+HEADER_BYTES = 256
 
-    shapes = st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)
-    return st.builds(build, st.sampled_from(dtypes), shapes, st.booleans())
+
+@st.composite
+def _tensor_spec(draw, dtypes, large: int):
+    """A tensor leaf's spec; with odds 1 in ``large``, a leaf of 200 bytes to
+    4 KiB, often exactly :data:`HEADER_BYTES` (1-d, or 2-d of 4 columns)."""
+    dtype = draw(st.sampled_from(dtypes))
+    if draw(st.integers(1, large)) == 1:
+        nbytes = draw(st.sampled_from([HEADER_BYTES, 1024, 4096]) | st.integers(200, 4096))
+        n = max(4, nbytes // dtype.itemsize)
+        shape = draw(st.sampled_from([(n,), (n // 4, 4)]))
+    else:
+        shape = tuple(draw(st.lists(st.integers(0, 3), min_size=0, max_size=3)))
+    return TensorSpec(dtype, shape, draw(st.booleans()) and len(shape) == 2)
+
+
+def _tensor_specs(dtypes, large: int = 10):
+    return _tensor_spec(dtypes, large)
 
 
 def skeletons(dtypes=DTYPES, scalars=True, max_leaves=8):
+    """A tree's skeleton; one in four has every leaf of one spec (one tensor
+    dtype and shape: a move whose slots all have one size, the header's in
+    one of six)."""
     leaf = _tensor_specs(dtypes)
     if scalars:
         leaf = leaf | st.builds(ScalarSpec, st.sampled_from([bool, int, float]))
@@ -67,7 +91,11 @@ def skeletons(dtypes=DTYPES, scalars=True, max_leaves=8):
             | st.just(None)
         )
 
-    return st.recursive(leaf, extend, max_leaves=max_leaves)
+    mixed = st.recursive(leaf, extend, max_leaves=max_leaves)
+    uniform = _tensor_specs(dtypes, large=3).flatmap(
+        lambda spec: st.recursive(st.just(spec), extend, max_leaves=max_leaves)
+    )
+    return st.integers(0, 3).flatmap(lambda k: uniform if k == 0 else mixed)
 
 
 def is_spec(x) -> bool:
@@ -112,10 +140,40 @@ def _nan_payload(draw, dtype: torch.dtype) -> int:
     return bits - (1 << width) if bits >= 1 << (width - 1) else bits
 
 
+def _seeded(dtype: torch.dtype, n: int, seed: int, exact: bool) -> torch.Tensor:
+    """``n`` values of ``dtype`` from ``seed``, for a large leaf (drawn one by
+    one they would exhaust Hypothesis's budget): any bits, or with ``exact``
+    the exact strategies' values, -0.0, NaN and infinities included."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        if exact:
+            return torch.randint(max(info.min, -3), 4, (n,), generator=g).to(dtype)
+        t = torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype)
+        at = torch.rand(n, generator=g) < 0.125  # and the extremes
+        extremes = torch.tensor([info.min, info.max], dtype=dtype)
+        t[at] = extremes[torch.randint(0, 2, (int(at.sum()),), generator=g)]
+        return t
+    if not exact:  # every bit pattern: NaN payloads, subnormals, infinities
+        carrier = _NAN_BITS[dtype][0]
+        info = torch.iinfo(carrier)
+        return torch.randint(info.min, info.max, (n,), generator=g, dtype=carrier).view(dtype)
+    values = torch.randint(-8, 9, (n,), generator=g).double() / 2
+    special = torch.tensor([-0.0, float("nan"), float("inf"), float("-inf")], dtype=torch.float64)
+    at = torch.rand(n, generator=g) < 0.125
+    values[at] = special[torch.randint(0, 4, (int(at.sum()),), generator=g)]
+    return values.to(dtype)
+
+
 def _tensor(draw, spec: TensorSpec, exact: bool) -> torch.Tensor:
     n = 1
     for s in spec.shape:
         n *= s
+    if n > 64:
+        t = _seeded(spec.dtype, n, draw(st.integers(0, 2**31 - 1)), exact).reshape(spec.shape)
+        return t.t().contiguous().t() if spec.transposed else t
     if spec.dtype == torch.bool:
         values = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     elif spec.dtype.is_floating_point:

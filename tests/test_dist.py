@@ -295,8 +295,8 @@ def _each_widest(_):
                     got.append(calls[0] - start)
                 finally:
                     dist.all_reduce, _call.WIDEN = all_reduce, before
-                got.append({k: result[k].tolist() for k in tree} == {k: v.tolist() for k, v in expected.items()})
-                got[-1] = got[-1] and all(result[k].dtype == tree[k].dtype for k in tree)
+                same = [torch.equal(result[k], e) for k, e in expected.items()]
+                got.append(all(same) and all(result[k].dtype == tree[k].dtype for k in tree))
             out.append(tuple(got))
     return out
 

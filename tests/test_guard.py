@@ -22,8 +22,14 @@ MISMATCH = "xcoll.CollectiveMismatchError"
 
 def later_case(name: str, odd: bool, dev):
     """(function, tree, kwargs) for the odd replica or the others: the same
-    buffer sizes on every replica, so the engine cannot notice."""
+    buffer sizes on every replica, so the engine cannot notice. Each differs
+    in one part of the fingerprint alone: a leaf's shape, dtype, path or op,
+    the tree's structure, or a parameter."""
     t = torch.ones(2, 3).to(dev)
+    if name == "structure, list vs tuple":  # (the same paths, dtypes and shapes)
+        return "gather", {"x": [t] if odd else (t,)}, {}
+    if name == "parameter, gather dim":  # (dim -1 of a 1-d leaf is dim 0: the same output)
+        return "gather", {"x": torch.ones(6).to(dev)}, {"dim": -1 if odd else 0}
     if name == "shape, same numel":
         return "gather", {"x": torch.ones(3, 2).to(dev) if odd else t}, {}
     if name == "dtype, same width":
@@ -43,8 +49,10 @@ def later_case(name: str, odd: bool, dev):
 
 # Classes whose replicas trace the same XLA program (the others compile
 # different programs, which XLA aborts on: test_different_programs_are_diagnosed).
-SAME_PROGRAM = ["dict key", "src"]
+SAME_PROGRAM = ["dict key", "src", "structure, list vs tuple", "parameter, gather dim"]
 EVERY = [
+    "structure, list vs tuple",
+    "parameter, gather dim",
     "shape, same numel",
     "dtype, same width",
     "dict key",
@@ -98,6 +106,119 @@ def test_a_later_mismatch_raises_on_every_replica(world, name):
     pool = shared_pool(world)
     # every replica's error names the first difference and both ranks
     _expect_every_rank_raises(pool, _later, [name] * pool.world_size, "first difference")
+
+
+# ---- a verdict on every bit of the header -----------------------------------
+
+# The fingerprint bit this thread's calls flip (None: none), while
+# _flipped_fingerprints is installed: an XLA pool's replicas are the threads
+# of one process.
+_FLIP = threading.local()
+_installed = [0, None]  # replica functions inside _flipped_fingerprints, the original
+_install_lock = threading.Lock()
+
+
+class _flipped_fingerprints:
+    """Makes a call's fingerprint differ from the other replicas' in one bit
+    alone (bit ``_FLIP.bit`` of its 64), on the threads that set one: the one
+    difference a header can show that no real pair of calls makes to order
+    (two fingerprints are SHA-256 digests)."""
+
+    def __enter__(self):
+        from xcoll import _guard
+
+        with _install_lock:
+            if not _installed[0]:
+                original = _installed[1] = _guard.Signature.fingerprint
+
+                def fingerprint(signature):
+                    digest = original(signature)
+                    bit = getattr(_FLIP, "bit", None)
+                    if bit is None:
+                        return digest
+                    flipped = bytearray(digest)
+                    flipped[bit // 8] ^= 1 << (bit % 8)
+                    return bytes(flipped)
+
+                _guard.Signature.fingerprint = fingerprint
+            _installed[0] += 1
+
+    def __exit__(self, *exc):
+        from xcoll import _guard
+
+        _FLIP.bit = None
+        with _install_lock:
+            _installed[0] -= 1
+            if not _installed[0]:
+                _guard.Signature.fingerprint = _installed[1]
+
+
+def _one_bit_differs(cases):
+    """Each case's call once per bit, with that bit of the fingerprint flipped
+    on one replica (rank ``bit % W``): what each call did."""
+    rank, w = xcoll.rank(), xcoll.world_size()
+    dev = device()
+    xcoll.gather({"warm": torch.ones(1).to(dev)})  # (a group's first call is checked in full)
+    outcomes = []
+    with _flipped_fingerprints():
+        for name, kwargs, dtype, bits in cases:
+            tree = {"x": (torch.arange(6) % 3).to(dtype).to(dev)}
+            for bit in bits:
+                _FLIP.bit = bit if rank == bit % w else None
+                try:
+                    getattr(xcoll, name)(tree, **kwargs)
+                    outcomes.append((name, bit, "returned"))
+                except xcoll.CollectiveMismatchError as e:
+                    outcomes.append((name, bit, f"{type(e).__name__}: {e}"))
+                finally:
+                    _FLIP.bit = None
+    return outcomes
+
+
+_EVERY_BIT = list(range(64))
+_SOME_BITS = [0, 1, 7, 8, 31, 32, 33, 55, 56, 62, 63]
+# Each kind of verdict (docs/design.md, "The guard"): a gather's 64 bits as
+# 0/1, read on the device's result or the host's; a reduce's bits and their
+# complements, in the first bucket's dtype, under each op; a broadcast's, summed
+# (XLA) or src's compared by the receivers (gloo).
+VERDICTS = [
+    ("gather", {}, torch.float32, _EVERY_BIT),
+    ("gather", {"to_cpu": True}, torch.int8, _SOME_BITS),
+    ("reduce", {"op": "sum"}, torch.float32, _EVERY_BIT),
+    ("reduce", {"op": "sum"}, torch.bfloat16, _SOME_BITS),
+    ("reduce", {"op": "sum"}, torch.int8, _SOME_BITS),
+    ("reduce", {"op": "prod"}, torch.int64, _SOME_BITS),
+    ("reduce", {"op": "max"}, torch.float16, _SOME_BITS),
+    ("reduce", {"op": "max"}, torch.bool, _SOME_BITS),
+    ("reduce", {"op": "min"}, torch.float64, _SOME_BITS),
+    ("reduce", {"op": "min"}, torch.uint8, _SOME_BITS),
+    ("broadcast", {"src": 0}, torch.int32, _EVERY_BIT),
+]
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4", "xla-cpu-2"])
+def test_a_header_that_differs_in_any_one_bit_is_a_clean_error_on_every_replica(world):
+    """Where two replicas' fingerprints differ in one bit alone, at any of the
+    64, whichever replica holds it: every replica raises
+    CollectiveMismatchError (its descriptions agree, so it names no leaf), and
+    none returns or waits for the others; gloo's broadcast is one-sided: src
+    returns its own tree, a receiver raises."""
+    pool = shared_pool(world)
+    w = pool.world_size
+    got = pool.run(_one_bit_differs, [VERDICTS] * w, timeout=180)
+    for r, outcomes in enumerate(got):
+        assert len(outcomes) == sum(len(bits) for *_, bits in VERDICTS)
+        for name, bit, outcome in outcomes:
+            if name == "broadcast" and world.startswith("gloo"):
+                # one-sided: a receiver compares src's header with its own, so
+                # it raises where src's or its own bit is the flipped one
+                flipped = bit % w
+                raises = r != 0 and flipped in (0, r)
+                expected = "the call of src, rank 0" if raises else "returned"
+            else:
+                expected = "the replicas' descriptions agree"
+            assert expected in outcome, (r, name, bit, outcome)
+    assert pool.run(_ok, [None] * w) == [list(range(w))] * w
 
 
 def _after_rng(_):

@@ -1,15 +1,18 @@
-"""The XLA kernels (XLA computations) give the same bits as the torch kernels
-on drawn buckets, NaN payloads included, on one real XLA:CPU replica."""
+"""The kernels that build and cut packed buffers: the torch kernels' results
+checked in-process against what they must be (a move's bytes after a gather of
+W replicas, a reduce's decoded NaN), and the XLA kernels (XLA computations)
+giving the same bits as the torch kernels on drawn buckets, NaN payloads
+included, on one real XLA:CPU replica."""
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 
-from tests.helpers import PROPERTY
+from tests.helpers import PROPERTY, same_bits
 from tests.replicas import shared_pool
-from xcoll import _pack
+from xcoll import _pack, _wire
 from xcoll._tree import SUPPORTED_DTYPES
 
 _DTYPES = sorted(SUPPORTED_DTYPES, key=str)  # every dtype xcoll moves
@@ -53,7 +56,7 @@ def _both(case):
     from xcoll._backends.base import TORCH
     from xcoll._backends.xla import XlaKernels
 
-    parts, dtypes, world, seed, ops, means = case
+    parts, dtypes, world, seed, ops, means, guard = case
     dev = torch_xla.device()
     xla = XlaKernels()
     shapes = [[tuple(p.shape) for p in bucket] for bucket in parts]
@@ -75,33 +78,48 @@ def _both(case):
         ]
         pieces = kernels.split(flats, [[(world, *s) for s in b] for b in shapes], casts)
         got["split"] = [[_as_int(kernels, t) for t in b] for b in pieces]
-        # a move's one buffer: a header segment, then the buckets by element size
-        joined = _pack.Joined.of([dtypes[k] for k in pure], [shapes[k] for k in pure], guard=4)
-        header = torch.tensor([seed, 0, -1, 7], dtype=torch.int32).to(inputs[0][0].device)
-        segments = [[header]] + [inputs[pure[k]] for k in joined.order]
-        joined_buf = kernels.join(segments, joined)
-        got["join"] = [_as_int(kernels, joined_buf)]
-        # unjoin inverts join on a gather of W copies: slot-major, each part W times
-        back = kernels.unjoin(torch.cat([joined_buf] * world), joined, world)
-        # (expected on the host: XLA:CPU's copies of bfloat16 change NaN payloads)
-        on_host = [[header.cpu()]] + [parts[pure[k]] for k in joined.order]
-        for seg, parts_k in zip(back, on_host, strict=True):
-            expected = torch.cat([p.reshape(-1).repeat(world) for p in parts_k])
-            assert torch.equal(_as_int(kernels, seg).cpu(), _as_int(TORCH, expected)), name
-        words = _random_bits(torch.int32, (world * joined.words,), seed + 1).to(header.device)
-        for wire in (False, True):
-            segs = kernels.unjoin(words, joined, world, wire)
-            got[f"unjoin wire={wire}"] = [_as_int(kernels, t) for t in segs]
+        # a move's one buffer: a header segment (if any), then the buckets by element size
+        joined = _pack.Joined.of([dtypes[k] for k in pure], [shapes[k] for k in pure], guard)
+        head = [[_random_bits(torch.int32, (guard,), seed + 5)]] if guard else []
+        segments = [[h.to(dev) for h in seg] for seg in head] if name == "xla" else head
+        segments = segments + [inputs[pure[k]] for k in joined.order]
+        if segments:  # (else no header, and every bucket merged: nothing to join)
+            joined_buf = kernels.join(segments, joined)
+            got["join"] = [_as_int(kernels, joined_buf)]
+            # unjoin inverts join on a gather of W copies: slot-major, each part W times
+            back = kernels.unjoin(torch.cat([joined_buf] * world), joined, world)
+            # (expected on the host: XLA:CPU's copies of bfloat16 change NaN payloads)
+            on_host = head + [parts[pure[k]] for k in joined.order]
+            for seg, parts_k in zip(back, on_host, strict=True):
+                expected = torch.cat([p.reshape(-1).repeat(world) for p in parts_k])
+                assert torch.equal(_as_int(kernels, seg).cpu(), _as_int(TORCH, expected)), name
+            # and on any bits a gather could return (every replica's different)
+            words = _random_bits(torch.int32, (world * joined.words,), seed + 1).to(dev)
+            words = words if name == "xla" else words.cpu()
+            for wire in (False, True):
+                segs = kernels.unjoin(words, joined, world, wire)
+                got[f"unjoin wire={wire}"] = [_as_int(kernels, t) for t in segs]
         encoded = kernels.encode_reduce(kernels.pack(inputs, shapes, dtypes), ops)
         got["encode_reduce"] = [_as_int(kernels, t) for t in encoded]
         # decoded from random wires: any bits an all-reduce could return
         reduced = [
-            _random_bits(e.dtype, tuple(e.shape), seed + 3 * k).to(e.device)
+            _reduced(dtypes[k], ops[k], e.dtype, tuple(e.shape), seed + 3 * k).to(e.device)
             for k, e in enumerate(encoded)
         ]
         decoded = kernels.decode_reduce(reduced, dtypes, ops, means, world)
         got["decode_reduce"] = [_as_int(kernels, t) for t in decoded]
     return out
+
+
+def _reduced(dtype, op, wire_dtype, shape, seed):
+    """Random bits an all-reduce of a bucket's wire could return. A float
+    max/min travels as ordered keys (``_wire.encode_order``): keys of random
+    floats, so that the decoded values hold NaN of any sign and payload (random
+    keys decode to NaN too rarely)."""
+    if dtype.is_floating_point and op in ("max", "min"):
+        bits = _random_bits(dtype, shape, seed).view(wire_dtype)
+        return torch.where(bits < 0, bits ^ torch.iinfo(wire_dtype).max, bits)
+    return _random_bits(wire_dtype, shape, seed)
 
 
 # The narrower dtypes whose leaves a reduce may merge into a bucket of the key's
@@ -118,6 +136,11 @@ _NARROWER = {
 
 @st.composite
 def _buckets(draw):
+    # A move's header: none, a few words, or a gather's 64. Parts of random
+    # sizes, or every part of one size in bytes: a header's (a gather whose
+    # slots all have its header's size regroups as one run), or a few KiB.
+    guard = draw(st.sampled_from([0, 4, 64]))
+    same = draw(st.sampled_from([None, None, 4 * guard or 16, 2048]))
     shapes = st.lists(st.integers(0, 3), max_size=3).map(tuple)
     buckets = draw(
         st.lists(
@@ -134,6 +157,8 @@ def _buckets(draw):
             draw(st.sampled_from([dtype, *_NARROWER[dtype]])) if merged else dtype
             for _ in bucket_shapes
         ]
+        if same:
+            bucket_shapes = [(same // d.itemsize,) for d in own]
         bucket = [
             _random_bits(d, s, seed + 7 * k + j)
             for j, (d, s) in enumerate(zip(own, bucket_shapes, strict=True))
@@ -152,7 +177,7 @@ def _buckets(draw):
         cut = sorted(draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
         mean = dtype.is_floating_point and ops[-1] == "sum" and cut[0] < cut[1]
         means.append(((cut[0], cut[1]),) if mean else ())
-    return parts, dtypes, draw(st.sampled_from([1, 2, 3])), seed, ops, means
+    return parts, dtypes, draw(st.sampled_from([1, 2, 3])), seed, ops, means, guard
 
 
 @PROPERTY
@@ -160,8 +185,12 @@ def _buckets(draw):
 def test_xla_kernels_give_the_torch_kernels_bits(case):
     if not case[0]:
         return  # every drawn bucket was empty
-    parts, dtypes, _, _, ops, _ = case
+    parts, dtypes, _, _, ops, _, _ = case
     got = shared_pool("xla-cpu-1").run(_both, [case])[0]
+    for k, x in enumerate(got["torch"]["decode_reduce"]):
+        if dtypes[k].is_floating_point:  # every NaN the quiet NaN, whatever the inputs' were
+            nan = torch.isnan(x.view(dtypes[k]))
+            assert torch.all(x[nan] == _quiet_bits(dtypes[k])), (k, dtypes[k], ops[k])
     for what in got["torch"]:
         for k, (a, b) in enumerate(zip(got["torch"][what], got["xla"][what], strict=True)):
             pairs = zip(a, b, strict=True) if isinstance(a, list) else [(a, b)]
@@ -190,6 +219,11 @@ def test_xla_kernels_give_the_torch_kernels_bits(case):
                     assert torch.equal(nan, torch.isnan(_float_view(y))), (what, k)
                     x, y = x[~nan], y[~nan]
                 assert torch.equal(x, y), (what, k, x, y)
+
+
+def _quiet_bits(dtype: torch.dtype) -> int:
+    """The bits of the quiet NaN ``float("nan")`` in ``dtype``, as a signed integer."""
+    return int(torch.tensor(float("nan"), dtype=dtype).view(_BITS[dtype]).item())
 
 
 def _flushed(ints: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -235,3 +269,184 @@ def _bitcasts(cases):
         b = XlaKernels().bitcast(t.to(torch_xla.device()), carrier).cpu()
         out.append((a, b))
     return out
+
+
+# ---- the torch kernels, in-process --------------------------------------------
+# (no deadline: a loaded machine is slow, whatever the example)
+
+
+@st.composite
+def _moves(draw):
+    """One move's segments on each of W replicas: a header of 0, 4 or 64 int32
+    words (a gather's is 64), then buckets of distinct dtypes whose parts have
+    random sizes, or all one size in bytes: the header's (every slot of a
+    gather then has one size, and regroups as one run), or larger."""
+    world = draw(st.integers(1, 4), "world")
+    guard = draw(st.sampled_from([0, 4, 64]), "guard")
+    dtypes = draw(
+        st.lists(st.sampled_from(_DTYPES), min_size=0 if guard else 1, max_size=4, unique=True),
+        "dtypes",
+    )
+    same = draw(st.sampled_from([None, 4 * guard or 8, 256, 4096]), "bytes of every part")
+    shapes = []
+    for d in dtypes:
+        count = draw(st.integers(1, 4), "parts")
+        if same is None:
+            shape = st.lists(st.integers(0, 3), max_size=3).map(tuple)
+            shapes.append([draw(shape, "shape") for _ in range(count)])
+        else:
+            shapes.append([(max(1, same // d.itemsize),)] * count)
+    return world, guard, dtypes, shapes, draw(st.integers(0, 2**20), "seed")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# Every slot of one size, padding none: the buffer regroups as one run of equal slots
+@settings(deadline=None)
+@example(case=(2, 0, [torch.uint8], [[()] * 8], 0))  # 1 byte each
+@example(case=(3, 64, [torch.float32], [[(64,), (16, 4)]], 1))  # the gather header's 256
+@example(case=(2, 0, [torch.int16], [[(3,)] * 4], 2))
+@given(case=_moves())
+def test_torch_join_and_unjoin_carry_every_replicas_bytes(case):
+    from xcoll._backends.base import TORCH
+
+    world, guard, dtypes, shapes, seed = case
+    joined = _pack.Joined.of(dtypes, shapes, guard)
+    # each replica's segments, its own bits, in the joined buffer's order
+    replicas = []
+    for r in range(world):
+        at = seed + 1000 * r
+        head = [[_random_bits(torch.int32, (guard,), at)]] if guard else []
+        buckets = [
+            [_random_bits(dtypes[k], s, at + 10 * k + j) for j, s in enumerate(shapes[k])]
+            for k in joined.order
+        ]
+        replicas.append(head + buckets)
+    bufs = [TORCH.join(segments, joined) for segments in replicas]
+    for buf, segments in zip(bufs, replicas, strict=True):
+        assert buf.dtype == torch.int32 and tuple(buf.shape) == (joined.words,)
+        raw, at = buf.view(torch.uint8), 0
+        for seg, n, padded in zip(segments, joined.nbytes, joined.padded, strict=True):
+            assert torch.equal(raw[at : at + n], torch.cat([_bytes(p) for p in seg]))
+            assert not raw[at + n : at + padded].any(), "padding is zero bytes"
+            at += padded
+        assert at == 4 * joined.words
+    # a gather's result (every replica's buffer, in rank order): each segment
+    # slot-major, every slot's W parts side by side
+    for wire in (False, True):
+        got = TORCH.unjoin(torch.cat(bufs), joined, world, wire)
+        assert len(got) == len(joined.dtypes)
+        for k, (seg, dtype) in enumerate(zip(got, joined.dtypes, strict=True)):
+            slots = zip(*(segments[k] for segments in replicas), strict=True)
+            expected = torch.cat([p.reshape(-1) for slot in slots for p in slot])
+            if wire:
+                expected = _wire.encode_move(expected, TORCH.bitcast)
+            assert same_bits(seg, expected), (k, dtype, wire)
+    # a broadcast's (one replica's buffer)
+    got = TORCH.unjoin(bufs[-1].clone(), joined, None)
+    for seg, parts in zip(got, replicas[-1], strict=True):
+        assert same_bits(seg, torch.cat([p.reshape(-1) for p in parts]))
+
+
+_FLOATS = [d for d in _DTYPES if d.is_floating_point]
+
+
+@settings(deadline=None)
+@given(
+    dtype=st.sampled_from(_FLOATS),
+    op=st.sampled_from(["sum", "prod", "max", "min"]),
+    world=st.integers(1, 4),
+    n=st.integers(1, 40),
+    cut=st.lists(st.integers(0, 40), min_size=2, max_size=2).map(sorted),
+    seed=st.integers(0, 2**20),
+)
+def test_torch_decode_reduce_makes_every_nan_quiet_and_divides_means(
+    dtype, op, world, n, cut, seed
+):
+    """Whatever the all-reduce returned: a float result's NaN is the quiet NaN
+    ``float("nan")``, whatever its sign and payload; a max/min's keys decode to
+    the floats they order; a mean's range is divided by W before rounding."""
+    from xcoll._backends.base import TORCH
+
+    means = [(min(cut[0], n), min(cut[1], n))] if op == "sum" and cut[0] < min(cut[1], n) else []
+    wide = _wire.ACCUMULATE.get(dtype, dtype) if op in ("sum", "prod") else dtype
+    values = _random_bits(wide, (n,), seed)  # NaN of any sign and payload, subnormals
+    wire = values.clone()
+    if op in ("max", "min"):
+        wire = _reduced(dtype, op, _BITS[dtype], (n,), seed)
+    got = TORCH.decode_reduce([wire], [dtype], [op], [means], world)[0]
+    expected = values.clone()
+    for a, z in means:
+        expected[a:z] /= world
+    expected = expected.to(dtype)
+    expected[torch.isnan(expected)] = float("nan")
+    assert got.dtype == dtype and got.shape == (n,)
+    assert torch.equal(_as_int(TORCH, got), _as_int(TORCH, expected)), (got, expected)
+    assert torch.all(_as_int(TORCH, got)[torch.isnan(got)] == _quiet_bits(dtype))
+
+
+@st.composite
+def _merged_bucket(draw):
+    dtype = draw(st.sampled_from(sorted(_NARROWER, key=str)), "bucket dtype")
+    own = draw(st.lists(st.sampled_from([dtype, *_NARROWER[dtype]]), min_size=1, max_size=6))
+    shapes = [draw(st.lists(st.integers(0, 3), max_size=2).map(tuple)) for _ in own]
+    world = draw(st.integers(1, 3), "world")
+    return dtype, own, [(world, *s) for s in shapes], draw(st.integers(0, 2**20), "seed")
+
+
+@settings(deadline=None)
+@given(case=_merged_bucket())
+def test_torch_split_cuts_a_merged_bucket_and_casts_each_piece_back(case):
+    """A reduce's merged bucket (``xcoll._call.merged``): each leaf's piece of
+    the wide result, cast back to its own dtype (rounded once, a NaN the quiet
+    NaN: ``_wire.cast_back``), in order."""
+    from xcoll._backends.base import TORCH
+
+    dtype, own, shapes, seed = case
+    n = sum(_pack.numel(s) for s in shapes)
+    flat = _random_bits(dtype, (n,), seed)
+    casts = [None if d == dtype else d for d in own]
+    pieces = TORCH.split([flat], [shapes], [casts])[0]
+    if not any(casts):  # (and the same without casts: the default)
+        assert all(map(same_bits, TORCH.split([flat], [shapes])[0], pieces))
+    at = 0
+    for piece, d, shape in zip(pieces, own, shapes, strict=True):
+        m = _pack.numel(shape)
+        expected = flat[at : at + m].to(d).reshape(shape)
+        if d.is_floating_point:
+            expected[torch.isnan(expected)] = float("nan")
+        assert same_bits(piece, expected), (dtype, d, shape)
+        at += m
+
+
+@settings(deadline=None)
+@given(case=_merged_bucket())
+def test_torch_pack_widens_each_part_exactly(case):
+    """A reduce's merged bucket packed: one buffer of the bucket's dtype, each
+    part converted exactly (it is narrower), whether or not a part of the
+    bucket's own dtype comes first (float16 and bfloat16 sum as float32)."""
+    from xcoll._backends.base import TORCH
+
+    dtype, own, shapes, seed = case
+    parts = [_random_bits(d, s, seed + j) for j, (d, s) in enumerate(zip(own, shapes, strict=True))]
+    got = TORCH.pack([parts], [shapes], [dtype])[0]
+    assert same_bits(got, torch.cat([p.reshape(-1).to(dtype) for p in parts]))
+
+
+def test_torch_join_and_unjoin_make_their_buffers_where_the_parts_are():
+    """On the parts' device, whichever it is (here torch's ``meta``, which
+    holds no data: the kernels serve every device but XLA's)."""
+    from xcoll._backends.base import TORCH
+
+    joined = _pack.Joined.of([torch.float32, torch.int8], [[(3,)], [(5,), ()]], 4)
+    meta = torch.device("meta")
+    segments = [[torch.empty(4, dtype=torch.int32, device=meta)]]
+    int8 = [torch.empty(s, dtype=torch.int8, device=meta) for s in [(5,), ()]]
+    segments += [[torch.empty(3, device=meta)], int8]
+    buf = TORCH.join(segments, joined)
+    assert buf.device == meta and tuple(buf.shape) == (joined.words,)
+    for world in (None, 2):
+        result = torch.empty((world or 1) * joined.words, dtype=torch.int32, device=meta)
+        assert all(t.device == meta for t in TORCH.unjoin(result, joined, world))

@@ -87,10 +87,142 @@ def test_codec_names_a_deep_path_by_its_ends():
 @given(OBJECTS, st.binary(min_size=1, max_size=20))
 def test_bytes_after_an_encoded_value_are_refused(obj, extra):
     enc = xcoll.encode_object(obj)
-    with pytest.raises(ValueError, match="malformed xcoll encoding: .* after the value"):
-        xcoll.decode_object(enc + xcoll.encode_object(obj))  # two complete values
+    second = xcoll.encode_object(obj)
+    with pytest.raises(ValueError) as e:
+        xcoll.decode_object(enc + second)  # two complete values
+    assert str(e.value) == f"malformed xcoll encoding: {len(second)} byte(s) after the value"
     with pytest.raises(ValueError, match="malformed"):
         xcoll.decode_object(enc + extra)
+
+
+def _n(k: int) -> bytes:
+    return k.to_bytes(8, "big")  # a length or count: 8 bytes, big-endian
+
+
+@pytest.mark.parametrize(
+    "obj,encoding",
+    [
+        (None, b"N"),
+        (True, b"T"),
+        (False, b"F"),
+        (0, b"I\x00" + _n(0)),
+        (255, b"I\x00" + _n(1) + b"\xff"),
+        (256, b"I\x00" + _n(2) + b"\x01\x00"),
+        (-1, b"I\x01" + _n(1) + b"\x01"),
+        (-(2**64), b"I\x01" + _n(9) + b"\x01" + bytes(8)),
+        (-0.0, b"D" + struct.pack(">d", -0.0)),
+        (1.5, b"D" + struct.pack(">d", 1.5)),
+        ("é", b"S" + _n(2) + "é".encode()),
+        ("\ud800", b"S" + _n(3) + b"\xed\xa0\x80"),  # a lone surrogate, as CESU-8 would
+        (b"\x00x", b"B" + _n(2) + b"\x00x"),
+        ([1, None], b"L" + _n(2) + b"I\x00" + _n(1) + b"\x01N"),
+        ((), b"U" + _n(0)),
+        (
+            {"a": [], 2: b""},
+            b"M" + _n(2) + b"S" + _n(1) + b"aL" + _n(0) + b"I\x00" + _n(1) + b"\x02B" + _n(0),
+        ),
+    ],
+)
+def test_the_encoding_is_the_documented_format(obj, encoding):
+    """One encoding per value, the one xcoll._codec's docstring describes:
+    replicas compare encodings byte for byte (barrier tags)."""
+    assert xcoll.encode_object(obj) == encoding
+    assert same_bits(xcoll.decode_object(encoding), obj)
+
+
+@given(st.text(st.characters(codec="utf-8") | st.characters(categories=["Cs"])))
+def test_strings_with_lone_surrogates_round_trip(text):
+    assert xcoll.decode_object(xcoll.encode_object({text: [text]})) == {text: [text]}
+
+
+def _nested(depth: int, inner):
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
+_LIST = b"L" + _n(1)  # a list of one item: 9 bytes
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (b"I\x02" + _n(0), "sign byte 2 at offset 1"),
+        (b"NNNN", "3 byte(s) after the value"),
+        (b"S" + _n(5) + b"ab", "needs 5 bytes at offset 9, has 2"),
+        (b"L" + _n(1) + b"D\x00", "needs 8 bytes at offset 10, has 1"),
+        (b"S" + _n(3) + b"a\xffb", "bad UTF-8 at offset 9: "),
+        (b"L" + _n(5) + b"NN", "5 items cannot fit at offset 9"),
+        (b"L" + _n(2**64 - 1), f"{2**64 - 1} items cannot fit at offset 9"),
+        (b"Z", "unknown tag 90 at offset 0"),
+        (b"U" + _n(1) + b"Z", "unknown tag 90 at offset 9"),
+        (b"M" + _n(1) + b"NN", "dict key of type NoneType"),
+        (b"M" + _n(1) + b"M" + _n(0) + b"N", "dict key of type dict"),
+        # 201 lists: the innermost value is 201 levels deep
+        (_LIST * 201 + b"N", "nested more than 200 levels at offset 1809"),
+        # a dict 200 levels deep: its key is the 201st level
+        (
+            _LIST * 200 + b"M" + _n(1) + b"S" + _n(1) + b"aN",
+            "nested more than 200 levels at offset 1809",
+        ),
+    ],
+)
+def test_malformed_encodings_are_named_exactly(data, message):
+    with pytest.raises(ValueError) as e:
+        xcoll.decode_object(data)
+    assert str(e.value).startswith(f"malformed xcoll encoding: {message}"), str(e.value)
+
+
+def test_values_nested_exactly_200_levels_deep_are_the_limit():
+    for inner in (0, [], {}, {"a": 1}):
+        deep = _nested(199 if inner == {"a": 1} else 200, inner)
+        assert xcoll.decode_object(xcoll.encode_object(deep)) == deep
+    assert xcoll.decode_object(_LIST * 200 + b"N") == _nested(200, None)
+    with pytest.raises(ValueError) as e:
+        xcoll.encode_object(_nested(201, 0))
+    assert str(e.value) == "obj[0][0][0][0]...[0][0]: nested more than 200 levels deep"
+    with pytest.raises(ValueError) as e:  # a dict's key is a level below it
+        xcoll.encode_object(_nested(200, {"a": 1}))
+    assert str(e.value) == "obj[0][0][0][0]...[0] key 'a': nested more than 200 levels deep"
+    # and so is its value: in 200 dicts, a list's item is the 201st level
+    deep, wrapped = 0, [0]
+    for _ in range(200):
+        deep, wrapped = {"a": deep}, {"a": wrapped}
+    assert xcoll.decode_object(xcoll.encode_object(deep)) == deep
+    with pytest.raises(ValueError) as e:
+        xcoll.encode_object(wrapped)
+    assert str(e.value) == "obj['a']['a']['a']['a']...['a'][0]: nested more than 200 levels deep"
+    one = b"M" + _n(1) + b"S" + _n(1) + b"a"  # a dict of one item, its key 'a': 19 bytes
+    assert xcoll.decode_object(one * 200 + b"I\x00" + _n(0)) == deep
+    with pytest.raises(ValueError) as e:
+        xcoll.decode_object(one * 200 + _LIST + b"N")
+    assert str(e.value) == "malformed xcoll encoding: nested more than 200 levels at offset 3809"
+
+
+@pytest.mark.parametrize(
+    "obj,message",
+    [
+        (_nested(8, {1}), "obj[0][0][0][0][0][0][0][0]: cannot encode set"),  # 8 steps: all
+        (_nested(9, {1}), "obj[0][0][0][0]...[0][0]: cannot encode set"),  # 9: both ends
+        (
+            {"a": [1, Thing()]},
+            "obj['a'][1]: cannot encode Thing; xcoll's codec takes None, bool, int, float, "
+            "str, bytes, and lists, tuples and dicts of them",
+        ),
+        (
+            {"a": {(1, 2): 3}},
+            "obj['a']: dict key (1, 2) of type tuple; keys must be str or int",
+        ),
+        (
+            [{"b": {None: 1}}],
+            "obj[0]['b']: dict key None of type NoneType; keys must be str or int",
+        ),
+    ],
+)
+def test_refusals_name_the_path_exactly(obj, message):
+    with pytest.raises(TypeError) as e:
+        xcoll.encode_object(obj)
+    assert str(e.value).startswith(message), str(e.value)
 
 
 @given(st.binary(max_size=200))

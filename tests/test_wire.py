@@ -5,7 +5,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 
 from tests.helpers import same_bits, same_values
 from tests.strategies import _float_values
@@ -40,3 +40,162 @@ def test_ordered_keys_reduce_like_torch(dtype, op, rows):
     for x in xs[1:]:
         expected = (torch.maximum if op == "max" else torch.minimum)(expected, x)
     assert same_values(got, expected)  # NaN propagates; -0.0 == +0.0
+
+
+# ---- reduce encodings ---------------------------------------------------------
+
+_INTS = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
+
+
+def _fold(op, rows):
+    """The all-reduce an engine makes of the replicas' wires (``rows``): elementwise,
+    in the wire's dtype (integers wrap)."""
+    f = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    acc = rows[0]
+    for r in rows[1:]:
+        acc = f(acc, r)
+    return acc
+
+
+def _promised(op, xs, dtype, means):
+    """What docs/design.md promises a reduce of ``xs`` gives: integers wrap as
+    their dtype does; bools: max is any, min is all; float sums and products
+    (of values whose float32 results are exact) read -0.0 as +0.0, a mean is
+    the sum divided by W before the one rounding to ``dtype``; max and min
+    order -0.0 below +0.0; NaN propagates as the quiet NaN."""
+    if dtype == torch.bool:
+        return torch.stack(xs).any(0) if op == "max" else torch.stack(xs).all(0)
+    if not dtype.is_floating_point:
+        return _fold(op, xs)
+    x = torch.stack([t.double() for t in xs])
+    if op in ("sum", "prod"):
+        acc = (x + 0.0).sum(0) if op == "sum" else (x + 0.0).prod(0)
+        for a, z in means:
+            acc[a:z] /= len(xs)
+    else:
+        acc = x.amax(0) if op == "max" else x.amin(0)
+        signed = torch.signbit(x)
+        zero_sign = signed.all(0) if op == "max" else signed.any(0)
+        acc = torch.where(acc == 0, torch.where(zero_sign, -0.0, 0.0).double(), acc)
+    acc = acc.masked_fill(torch.isnan(x).any(0) | torch.isnan(acc), float("nan")).to(dtype)
+    return acc.masked_fill(torch.isnan(acc), float("nan"))
+
+
+@st.composite
+def _reduce_rows(draw):
+    dtype = draw(st.sampled_from(FLOATS + _INTS + [torch.bool]), "dtype")
+    ops = ["max", "min"] if dtype == torch.bool else ["sum", "prod", "max", "min"]
+    op = draw(st.sampled_from(ops), "op")
+    world, n = draw(st.integers(1, 4), "world"), draw(st.integers(1, 6), "n")
+    if dtype == torch.bool:
+        values = st.booleans()
+    elif dtype.is_floating_point:  # (sums and products of these are exact in float32)
+        values = _float_values(exact=op in ("sum", "prod"))
+    else:
+        info = torch.iinfo(dtype)
+        values = st.integers(info.min, info.max)
+    rows = [
+        torch.tensor(draw(st.lists(values, min_size=n, max_size=n)), dtype=torch.float64)
+        if dtype.is_floating_point
+        else torch.tensor(draw(st.lists(values, min_size=n, max_size=n)), dtype=dtype)
+        for _ in range(world)
+    ]
+    cut = sorted(draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
+    means = [tuple(cut)] if dtype.is_floating_point and op == "sum" and cut[0] < cut[1] else []
+    return dtype, op, [r.to(dtype) for r in rows], means
+
+
+@settings(deadline=None)
+@given(case=_reduce_rows())
+def test_reduce_encodings_reduce_as_documented(case):
+    """Each replica's buffer encoded (``encode_reduce``), the engine's
+    all-reduce of the wires in their own dtype, decoded (``decode_reduce``):
+    the result docs/design.md promises, bit for bit, in the wire dtype it
+    names (bools as uint8, float max/min as integer keys, half-precision
+    sums and products in float32), the buffer itself where its width stays."""
+    dtype, op, xs, means = case
+    wires = []
+    for x in xs:
+        buf = x.clone()
+        wire = _wire.encode_reduce(buf, op, bitcast)
+        expected = {torch.bool: torch.uint8}.get(dtype, dtype)
+        if dtype.is_floating_point and op in ("max", "min"):
+            expected = _wire.BITS[dtype]
+        elif dtype.is_floating_point:
+            expected = _wire.ACCUMULATE.get(dtype, dtype)
+        assert wire.dtype == expected, (dtype, op, wire.dtype)
+        if wire.dtype.itemsize == dtype.itemsize:  # consumed: no second buffer
+            assert wire.data_ptr() == buf.data_ptr()
+        wires.append(wire)
+    got = _wire.decode_reduce(_fold(op, wires), dtype, op, bitcast, means, len(xs))
+    assert same_bits(got, _promised(op, xs, dtype, means)), (dtype, op, xs, got)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_a_reduce_larger_than_a_chunk_is_encoded_whole(op):
+    """Buffers of more than 2**20 elements are encoded and decoded in chunks
+    (bounding the temporaries): every chunk is."""
+    n = (1 << 20) + 3
+    x = torch.arange(n, dtype=torch.float32) - n // 2
+    x[-1] = -0.0
+    x[7] = float("nan")
+    wire = _wire.encode_reduce(x.clone(), op, bitcast)
+    assert torch.equal(wire, _wire.encode_order(x, op, bitcast))
+    got = _wire.decode_reduce(wire, torch.float32, op, bitcast)
+    assert same_bits(got, x.masked_fill(torch.isnan(x), float("nan")))
+
+
+# ---- merged reduce buckets ----------------------------------------------------
+
+# Integer dtypes, each after every dtype whose values it may hold (xcoll._call._INTS)
+_INTEGERS = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+_HALVES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _values(d: torch.dtype) -> tuple[int, int]:
+    return (0, 1) if d == torch.bool else (torch.iinfo(d).min, torch.iinfo(d).max)
+
+
+def _holds(wide: torch.dtype, d: torch.dtype) -> bool:
+    """Whether every value of ``d`` is one of ``wide``'s."""
+    (lo, hi), (a, z) = _values(wide), _values(d)
+    return lo <= a and z <= hi
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+@settings(deadline=None)
+@given(
+    leaves=st.lists(
+        st.tuples(st.sampled_from(_INTEGERS + FLOATS), st.integers(0, 12)), min_size=1, max_size=8
+    ),
+    widen=st.sampled_from([0, 16, 64, 1 << 20]),
+)
+def test_a_merged_bucket_holds_every_value_of_its_leaves(op, leaves, widen):
+    """A reduce's leaves of one op share a bucket where the result stays the
+    same: integers in the widest integer dtype present that holds every
+    value of theirs (uint8 not in int8), up to WIDEN bytes of each dtype
+    widened; half-precision sums and products with float32's, or with each
+    other as float32; every other leaf in a bucket of its own dtype."""
+    from xcoll import _call, _tree
+
+    if op in ("sum", "prod"):  # (a bool's prod is its min, a sum of bools is refused)
+        leaves = [(d, n) for d, n in leaves if d != torch.bool] or [(torch.int8, 1)]
+    flat = _tree.flatten([torch.zeros(n, dtype=d) for d, n in leaves])
+    before, _call.WIDEN = _call.WIDEN, widen
+    try:
+        got = _call.merged(flat, [(d, op) for d, _ in leaves])
+    finally:
+        _call.WIDEN = before
+    present = {d for d, _ in leaves}
+    ints = [d for d in _INTEGERS if d in present]
+    widest = ints[-1] if ints else None
+    halves = [d for d in _HALVES if d in present]
+    for (d, _), key in zip(leaves, got, strict=True):
+        elements = sum(n for e, n in leaves if e == d)  # (every leaf of d is merged or none)
+        if d in ints and _holds(widest, d) and elements * widest.itemsize <= widen:
+            expected = widest
+        elif d in halves and op in ("sum", "prod") and len(halves) > 1:
+            expected = torch.float32
+        else:
+            expected = d
+        assert key == (expected, op), (d, key, leaves)

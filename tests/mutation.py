@@ -1,0 +1,170 @@
+"""The mutation pass (README, "Developing"): mutmut's mutants of the modules
+below, each run against its own fast tests at CI's examples.
+
+    pip install -e '.[test,mutation]'
+    CI=1 python -m tests.mutation                 # every module (hours on 2 cores)
+    CI=1 python -m tests.mutation xcoll/_wire.py  # one module
+    CI=1 python -m tests.mutation --survivors     # again, only what survived last time
+    CI=1 python -m tests.mutation --resume        # only what was not run (an interrupted pass)
+
+mutmut (configured in pyproject.toml, ``[tool.mutmut]``) copies the tree into
+``mutants/``, rewrites each function of the mutated modules so that the
+environment variable ``MUTANT_UNDER_TEST`` picks one of its mutants, records
+which tests call each function, then runs each mutant against those tests: a
+mutant is killed when one of them fails. It sees the calls made in the test
+process only. The XLA kernels and the guard's verdicts at W > 1 run on the
+replica pools' workers, other processes: as a pytest plugin (``-p
+tests.mutation``, in mutmut's pytest arguments), this module tells it that
+each test of a file in :data:`OWNERS` calls every function named there. The
+workers inherit the chosen mutant (the environment variable) and import the
+mutated tree (mutmut puts ``mutants/`` first on ``sys.path``, which a spawned
+worker inherits).
+
+At the end, the kill rate of each module, and each survivor's diff (``mutmut
+show NAME``); ``mutmut browse`` explores them. Survivors that no test can kill
+(equivalent mutants) are listed in docs/design.md, "Mutation testing".
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+#: The mutated modules and, per module, the functions whose mutants run:
+#: patterns of mutmut's mutant names (``module.x_function__mutmut_N``,
+#: ``module.xǁClassǁmethod__mutmut_N``). Of the XLA backend, its kernels.
+MODULES: dict[str, list[str]] = {
+    "xcoll/_wire.py": ["xcoll._wire.*"],
+    "xcoll/_pack.py": ["xcoll._pack.*"],
+    "xcoll/_codec.py": ["xcoll._codec.*"],
+    "xcoll/_guard.py": ["xcoll._guard.*"],
+    "xcoll/_check.py": ["xcoll._check.*"],
+    "xcoll/_backends/base.py": ["xcoll._backends.base.x?Kernels?*"],
+    "xcoll/_backends/xla.py": [
+        "xcoll._backends.xla.x?XlaKernels?*",
+        *(
+            f"xcoll._backends.xla.x_{f}__mutmut_*"
+            for f in (
+                "_join",
+                "_encode",
+                "_cast_back",
+                "_quiet",
+                "_decode",
+                "_slot_major",
+                "_bytes",
+                "_typed",
+                "_encode_reduce",
+                "_decode_reduce",
+                "_divisor",
+            )
+        ),
+    ],
+}
+
+#: Test files whose tests exercise functions that mutmut cannot see them call,
+#: and those functions (patterns of mutmut's ``module.x_function`` names):
+#: functions that run on a pool's workers, and functions that run when their
+#: module is imported (mutmut would credit whichever test imported it first).
+OWNERS: dict[str, list[str]] = {
+    "tests/test_kernels.py": ["xcoll._backends.xla.*"],
+    "tests/test_guard.py": ["xcoll._guard.*", "xcoll._check.*"],
+    "tests/test_mismatch.py": ["xcoll._guard.*", "xcoll._check.*"],
+    "tests/test_out_of_step.py": ["xcoll._guard.*", "xcoll._check.*"],
+    "tests/test_wire.py": ["xcoll._wire.x__nan_bits"],  # (xcoll._wire.WINNING_NAN)
+}
+
+# ---- the pytest plugin -----------------------------------------------------------
+
+
+def pytest_runtest_call(item) -> None:
+    """In mutmut's stats run, records the calls that :data:`OWNERS` says ``item`` makes."""
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats":
+        return
+    patterns = OWNERS.get(item.nodeid.split("::")[0].removeprefix("mutants/"))
+    if not patterns:
+        return
+    from mutmut.state import state
+
+    state()._stats.update(f for f in _functions() if any(fnmatch.fnmatch(f, p) for p in patterns))
+
+
+def _functions() -> set[str]:
+    """Every mutated function, by mutmut's name (read from its ``.meta`` files,
+    in ``mutants/``: the stats run's working directory)."""
+    names = set()
+    for meta in Path("xcoll").rglob("*.py.meta"):
+        for key in json.loads(meta.read_text())["exit_code_by_key"]:
+            names.add(key.rpartition("__mutmut_")[0])
+    return names
+
+
+# ---- the pass ----------------------------------------------------------------------
+
+# mutmut's exit codes (mutmut.stats.status_by_exit_code), as this summary counts them
+_KILLED = {1, 3, 36, -24, 24, 152, 255, -11, -9}  # a test failed, timed out or crashed
+_SURVIVED = {0}
+_NO_TESTS = {5, 33}
+
+
+def _results() -> dict[str, dict[str, int | None]]:
+    out = {}
+    for module in MODULES:
+        meta = Path("mutants") / (module + ".meta")
+        out[module] = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+    return out
+
+
+def _selected(module: str, names) -> list[str]:
+    return [n for n in names if any(fnmatch.fnmatch(n, p) for p in MODULES[module])]
+
+
+def main(argv: list[str]) -> int:
+    survivors, resume = "--survivors" in argv, "--resume" in argv
+    modules = [a for a in argv if not a.startswith("--")] or list(MODULES)
+    unknown = [m for m in modules if m not in MODULES]
+    if unknown:
+        print(f"unknown module(s) {unknown}; the mutated modules are {list(MODULES)}")
+        return 2
+    if not os.environ.get("CI"):
+        print("(CI is not set: the property tests draw new examples each run)")
+    if survivors or resume:
+        before = _results()
+        again = _SURVIVED if survivors else {None}
+        names = [n for m in modules for n in _selected(m, before[m]) if before[m][n] in again]
+        if not names:
+            print("nothing to run")
+            return 0
+    else:
+        names = [p for m in modules for p in MODULES[m]]
+    # (mutmut's own exit status says nothing of the kill rate)
+    subprocess.run([sys.executable, "-m", "mutmut", "run", *names], check=False)
+    results = _results()
+    print("\nmodule                    mutants  killed  survived  no tests  kill rate")
+    total = killed = 0
+    survived: list[str] = []
+    for module in modules:
+        codes = [results[module][n] for n in _selected(module, results[module])]
+        k = sum(c in _KILLED for c in codes)
+        s = [n for n in _selected(module, results[module]) if results[module][n] in _SURVIVED]
+        none = sum(c in _NO_TESTS for c in codes)
+        checked = k + len(s) + none
+        rate = f"{100 * k / checked:.1f}%" if checked else "-"
+        print(f"{module:26s}{checked:8d}{k:8d}{len(s):10d}{none:10d}{rate:>11s}")
+        total, killed = total + checked, killed + k
+        survived += s
+    if total:
+        print(
+            f"{'all':26s}{total:8d}{killed:8d}{len(survived):10d}{'':10s}{100 * killed / total:10.1f}%"
+        )
+    for name in survived:
+        print(f"\n--- survived: {name}")
+        subprocess.run([sys.executable, "-m", "mutmut", "show", name], check=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
