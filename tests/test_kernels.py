@@ -7,6 +7,7 @@ included, on one real XLA:CPU replica."""
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import example, given, settings
 
@@ -28,7 +29,7 @@ _EXPONENT.update({torch.float16: 0x1F << 10, torch.bfloat16: 0xFF << 7})
 def _random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Every bit pattern is possible: NaNs with any payload and sign (about
     one element in four, at random places: drawn bits are NaN too rarely),
-    subnormals."""
+    zeros of both signs (one in eight), subnormals."""
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
@@ -39,6 +40,9 @@ def _random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch
         return t
     nan = torch.rand(shape, generator=g) < 0.25
     t[nan] |= _EXPONENT[dtype] | 1
+    # and zeros of both signs (key 0 is +0.0's: its order is the sign bit's)
+    zero = torch.rand(shape, generator=g) < 0.125
+    t[zero] = torch.where(torch.rand(shape, generator=g) < 0.5, 0, info.min)[zero].to(carrier)
     return t.view(dtype)
 
 
@@ -185,6 +189,60 @@ def _buckets(draw):
 def test_xla_kernels_give_the_torch_kernels_bits(case):
     if not case[0]:
         return  # every drawn bucket was empty
+    _compare(case)
+
+
+# Each dtype under ops whose kernels differ (float sums and products widen half
+# precision, float max/min travel as keys), and the merged buckets of each kind
+_EVERY = [
+    (torch.float64, [torch.float64], ["sum", "max"]),
+    (torch.float32, [torch.float32], ["prod", "min"]),
+    (torch.float16, [torch.float16], ["sum", "min"]),
+    (torch.bfloat16, [torch.bfloat16], ["prod", "max"]),
+    (torch.int64, [torch.int64], ["sum"]),
+    (torch.int32, [torch.int32], ["prod"]),
+    (torch.int16, [torch.int16], ["max"]),
+    (torch.int8, [torch.int8], ["min"]),
+    (torch.uint8, [torch.uint8], ["sum"]),
+    (torch.bool, [torch.bool], ["max", "min"]),
+    (torch.float32, [torch.float32, torch.float16, torch.bfloat16], ["sum"]),
+    (torch.int64, [torch.int64, torch.int32, torch.int16, torch.uint8], ["max"]),
+    (torch.int8, [torch.int8, torch.bool], ["min"]),
+    (torch.uint8, [torch.uint8, torch.bool], ["max"]),
+]
+
+
+# A float sum's means (ranges divided by W): its first part, all of it, a middle range
+_MEANS = [((0, 3),), ((0, 14),), ((2, 9),)]
+
+
+def _every_bucket(world: int, guard: int, seed: int):
+    """A case (as :func:`_buckets` draws one) of the buckets of :data:`_EVERY`,
+    each of four parts of two sizes (two runs of equal slots), a float sum's
+    elements divided by W in one of :data:`_MEANS`."""
+    shapes = [(3,), (3,), (2, 2), (4,)]
+    parts, dtypes, ops, means = [], [], [], []
+    for dtype, own, bucket_ops in _EVERY:
+        for op in bucket_ops:
+            k = len(parts)
+            kinds = [own[j % len(own)] for j in range(len(shapes))]
+            pairs = enumerate(zip(kinds, shapes, strict=True))
+            parts.append([_random_bits(d, s, seed + 10 * k + j) for j, (d, s) in pairs])
+            dtypes.append(dtype)
+            ops.append(op)
+            mean = dtype.is_floating_point and op == "sum"
+            means.append(_MEANS[sum(1 for m in means if m) % len(_MEANS)] if mean else ())
+    return parts, dtypes, world, seed, ops, means, guard
+
+
+@pytest.mark.parametrize("world,guard", [(2, 64), (3, 4)])
+def test_xla_kernels_give_the_torch_kernels_bits_for_every_dtype_and_op(world, guard):
+    """Every kernel path once, whatever the examples drawn above (CI's derive
+    from the test's name, and can miss a dtype or an op)."""
+    _compare(_every_bucket(world, guard, seed=world))
+
+
+def _compare(case):
     parts, dtypes, _, _, ops, _, _ = case
     got = shared_pool("xla-cpu-1").run(_both, [case])[0]
     for k, x in enumerate(got["torch"]["decode_reduce"]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from xcoll import _pack
 
@@ -31,6 +31,7 @@ def _leaves(draw):
 
 
 @settings(deadline=None)
+@example(case=([1.5, 2, torch.zeros(2), torch.zeros(2)], ["a"] * 4, [torch.float32] * 4, {1, 3}))
 @given(case=_leaves())
 def test_a_plan_lays_out_each_bucket_as_documented(case):
     """Buckets in order of their keys' first appearance. In each, the tensor
