@@ -6,9 +6,9 @@ every replica); values differ by rank and by position and include -0.0, NaN
 often coincide (0.0, -0.0, 1.0), and a rank may pass one tensor under two paths.
 
 Leaves are mostly small (at most 27 elements); about one in ten holds a few
-hundred bytes to 4 KiB, often exactly a gather header's 256 bytes (a slot as
-large as the header, every slot one size, is a layout of its own: see
-:func:`skeletons`), with values drawn from a seed.
+hundred bytes to 4 KiB, with values drawn from a seed; and some are exactly a
+gather header's 8 bytes (a slot as large as the header, every slot one size,
+is a layout of its own: see :func:`skeletons`).
 """
 
 from __future__ import annotations
@@ -51,17 +51,14 @@ class ScalarSpec:
     kind: type  # bool, int or float
 
 
-#: A gather's guard header: 64 int32 words (xcoll._guard.size("gather")).
-HEADER_BYTES = 256
-
-
 @st.composite
 def _tensor_spec(draw, dtypes, large: int):
     """A tensor leaf's spec; with odds 1 in ``large``, a leaf of 200 bytes to
-    4 KiB, often exactly :data:`HEADER_BYTES` (1-d, or 2-d of 4 columns)."""
+    4 KiB (1-d, or 2-d of 4 columns); otherwise of up to 3 dims of up to 3
+    (a gather header's 8 bytes among them: 2 float32, 1 int64, 4 float16)."""
     dtype = draw(st.sampled_from(dtypes))
     if draw(st.integers(1, large)) == 1:
-        nbytes = draw(st.sampled_from([HEADER_BYTES, 1024, 4096]) | st.integers(200, 4096))
+        nbytes = draw(st.sampled_from([256, 1024, 4096]) | st.integers(200, 4096))
         n = max(4, nbytes // dtype.itemsize)
         shape = draw(st.sampled_from([(n,), (n // 4, 4)]))
     else:
@@ -75,8 +72,8 @@ def _tensor_specs(dtypes, large: int = 10):
 
 def skeletons(dtypes=DTYPES, scalars=True, max_leaves=8):
     """A tree's skeleton; one in four has every leaf of one spec (one tensor
-    dtype and shape: a move whose slots all have one size, the header's in
-    one of six)."""
+    dtype and shape: a move whose slots all have one size, often the
+    header's 8 bytes, sometimes a few KiB)."""
     leaf = _tensor_specs(dtypes)
     if scalars:
         leaf = leaf | st.builds(ScalarSpec, st.sampled_from([bool, int, float]))

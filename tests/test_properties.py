@@ -124,14 +124,15 @@ def _numel(shape):
     return n
 
 
-# A gather's guard header is 256 bytes (64 int32 words): slots of that size
+# A gather's guard header is 8 bytes (2 int32 words): slots of that size
 # make the buffer one run of equal slots, header included; with no header
-# (mode "never") any one size does.
+# (mode "never") any one size does; slots larger than the header, too.
 ONE_SIZE = [
-    ("guard", torch.float32, [(64,), (64,)]),  # two float32 leaves of the header's size
-    ("guard", torch.float32, [(16, 4), (64,), (8, 8)]),  # three shapes, one size
-    ("guard", torch.int64, [(32,)] * 3),
-    ("guard", torch.uint8, [(256,)] * 2),
+    ("guard", torch.float32, [(2,), (2,)]),  # two float32 leaves of the header's size
+    ("guard", torch.float32, [(1, 2), (2,), (2, 1)]),  # three shapes, one size
+    ("guard", torch.int64, [(1,)] * 3),
+    ("guard", torch.uint8, [(8,)] * 2),
+    ("guard", torch.float32, [(16, 4), (64,), (8, 8)]),  # 256 bytes each
     ("never", torch.float32, [(5,), (5,)]),
     ("never", torch.int16, [(3, 4)] * 3),
     ("never", torch.float32, [(256,)] * 3),  # 1 KiB each

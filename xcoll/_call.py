@@ -416,9 +416,6 @@ class Reduce(Packed):
 #: wider integer bucket of the same op (:func:`merged`): a collective saved
 #: (3 ms on gloo at W=4 on 2 cores) is worth more than copying that much.
 WIDEN = 1 << 20
-# Integer dtypes in an order in which the last present one holds the values
-# of every other it can (:func:`_holds`).
-_INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def merged(flat: _tree.Flat, keys: list[tuple[torch.dtype, str]]) -> list[tuple[torch.dtype, str]]:
@@ -448,9 +445,9 @@ def merged(flat: _tree.Flat, keys: list[tuple[torch.dtype, str]]) -> list[tuple[
         halves = [d for d in by_dtype if d in (torch.float16, torch.bfloat16, torch.float32)]
         if op in ("sum", "prod") and len(halves) > 1:
             into.update({(d, op): (torch.float32, op) for d in halves})
-        ints = [d for d in by_dtype if d in _INTS]
+        ints = [d for d in by_dtype if d in _wire.INTS]
         if len(ints) > 1:
-            wide = max(ints, key=_INTS.index)
+            wide = max(ints, key=_wire.INTS.index)
             for d in ints:
                 if _holds(wide, d) and by_dtype[d] * wide.itemsize <= WIDEN:
                     into[d, op] = (wide, op)
@@ -641,7 +638,10 @@ def _unjoin(kernels: Kernels, lay: Layout, buckets, results, gathered: int | Non
 def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]:
     """The output leaves, in leaf order (Python scalars as 0-d CPU tensors)."""
     w = transport.world_size()
-    guard = _guard.size(op.kind) if signature is not None else 0
+    # (the header rides in bucket 0: a move's int32 words, a reduce's first bucket)
+    how = op.how(plan.buckets[0], transport)
+    dtype = torch.int32 if op.joined else plan.buckets[0].dtype
+    guard = _guard.size(op.kind, dtype, how, w) if signature is not None else 0
     # (a large tensor travels alone on eager engines only: on XLA its bytes
     # are in the graph either way)
     alone = 0 if transport.lazy else ALONE
@@ -665,8 +665,6 @@ def _leaves_out(op, flat, transport, plan, sync, to_cpu, signature) -> list[Any]
     del leaves
     joined = lay.joined
     if guard:
-        how = op.how(buckets[0] if buckets else None, transport)
-        dtype = torch.int32 if op.joined else buckets[0].dtype
         mine = signature.header(dtype, op.kind, how, w)
         head = [signature.uploaded(transport, mine, op.kind)]
         if not op.joined:

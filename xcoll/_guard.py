@@ -13,24 +13,32 @@ program whatever its fingerprint).
 The header's form makes the verdict the same on every replica: each one
 compares the header part of the collective's result, which is the same on
 every replica, with what it would be if every replica's fingerprint were its
-own (bytes against bytes, computed once per signature).
+own (bytes against bytes, computed once per signature). It is as short as the
+collective's arithmetic allows (:func:`size`): small reduces stay small.
 
-* gather: the 64 bits as 0/1. Every replica receives all W headers; they are
-  W copies of its own only if every fingerprint is its own.
-* all-reduce (reduce, and broadcast on XLA, which is an integer sum with
-  zeros from every replica but ``src``): each bit ``b`` and ``1 - b``. With
-  every replica's ``b`` equal, ``op(b)`` and ``op(1 - b)`` are ``(W b,
-  W (1 - b))`` for a sum and ``(b, 1 - b)`` for max, min and prod; with any
-  bit differing they are ``(k, W - k)`` with ``0 < k < W`` for a sum, ``(1,
-  1)`` for max, ``(0, 0)`` for min and prod: no replica's all-equal pattern,
-  whichever op each replica asked for. Values 0 and 1 are exact in every
-  dtype, and these sums are exact up to W = 255 (8-bit integers wrap at 256:
-  above that, every call is also checked in full, :data:`EXACT_SUMS`).
-* broadcast on torch.distributed (a star from ``src``, where an all-reduce
-  would cost 15x at W=4 on gloo: docs/reliability.md): the receivers compare
-  ``src``'s header with their own; ``src`` learns nothing, and returns its
+* gather, and broadcast on torch.distributed (a star from ``src``, where an
+  all-reduce would cost 15x at W=4 on gloo: docs/reliability.md): the 8 bytes
+  themselves, as two wire words. A gather's receives all W; they are W copies
+  of its own only if every fingerprint is its own. The broadcast's receivers
+  compare ``src``'s with their own; ``src`` learns nothing, and returns its
   own tree, which is its result whatever the others did. This is the one
   one-sided verdict.
+* an all-reduce sum (reduce, mean, and broadcast on XLA, an integer sum with
+  zeros from every replica but ``src``): the 64 bits cut into values ``v`` of
+  ``k`` bits, each followed later by ``v**2``. Every replica's ``v`` equal
+  gives ``(W v, W v**2)``; a replica that gets that holds ``sum (v_i - v)**2 =
+  sum v_i**2 - 2 v sum v_i + W v**2 = 0``, so every ``v_i`` is its ``v``.
+  ``k`` is the most bits with ``W (2**k - 1)**2`` exact in the bucket's dtype;
+  where that is ``k = 1``, ``v`` alone (a sum of bits is ``W b`` only if all
+  are ``b``), and then 8-bit integers wrap at 256 without harm up to W = 255
+  (above that, every call is also checked in full, :data:`EXACT_SUMS`).
+* max and min: values ``v`` of ``k`` bits and ``c - v`` (``c = 2**k - 1``,
+  ``k`` the most bits the dtype holds exactly): ``max v = v`` and ``max (c -
+  v) = c - v`` only if ``min v = max v``; the same for min.
+* prod: each bit ``b`` and ``1 - b``: ``prod`` of bits is their min.
+
+Whatever op each replica asked for, a differing value gives no replica its
+expected pattern (an op that differs is in the fingerprint too).
 
 The header goes at the front: where an engine delivers part of a larger
 buffer (gloo, when sizes differ), the front is what arrives.
@@ -38,6 +46,8 @@ buffer (gloo, when sizes differ), the front is what arrives.
 
 from __future__ import annotations
 
+import functools
+import struct
 import threading
 import weakref
 from collections.abc import Hashable
@@ -92,9 +102,55 @@ class Signature:
 _fingerprints: _memo.Memo[bytes] = _memo.Memo()
 
 
-def size(kind: str) -> int:
-    """The header's number of elements for a collective of ``kind``."""
-    return BITS if kind == "gather" else 2 * BITS
+@functools.cache
+def size(kind: str, dtype: torch.dtype, how: str, world: int) -> int:
+    """The header's number of elements for a collective of ``kind`` in a
+    bucket of ``dtype`` combined by ``how`` at ``world`` replicas. A reduce's
+    depends on the dtype's width alone, except for prod: so that replicas
+    whose dtypes of one width or whose ops (prod aside) differ still make
+    collectives of one size, which the verdict names, instead of the
+    engine's failure."""
+    if kind != "reduce" or how == "prod":
+        return len(_values(_ZERO, kind, dtype, how, world))
+    alike = [d for d in _REDUCED if d.itemsize == dtype.itemsize]
+    return max(len(_values(_ZERO, kind, d, h, world)) for d in alike for h in _OPS)
+
+
+_ZERO = bytes(BITS // 8)
+_REDUCED = (torch.float64, torch.float32, torch.float16, torch.bfloat16, *_wire.INTS)
+_OPS = ("sum", "max", "min")
+
+
+def _width(dtype: torch.dtype, how: str, world: int) -> int:
+    """The bits of the fingerprint per header value of a reduce (:func:`_values`)."""
+    exact = (  # the largest integer up to which dtype holds every integer
+        2 * round(1 / torch.finfo(dtype).eps)
+        if dtype.is_floating_point
+        else 1
+        if dtype == torch.bool
+        else torch.iinfo(dtype).max
+    )
+    if how in ("max", "min"):
+        return min(BITS, (exact + 1).bit_length() - 1)
+    k = 1
+    while k < BITS and world * ((1 << (k + 1)) - 1) ** 2 <= exact:
+        k += 1
+    return k
+
+
+def _values(fingerprint: bytes, kind: str, dtype: torch.dtype, how: str, world: int) -> list[int]:
+    """The header's values for ``fingerprint`` (see the module's docstring)."""
+    if kind == "gather" or how == "":  # its bytes, as two int32 wire words
+        return list(struct.unpack("<2i", fingerprint[: BITS // 8]))
+    n = int.from_bytes(fingerprint[: BITS // 8], "little")
+    if how == "prod":
+        bits = [(n >> j) & 1 for j in range(BITS)]
+        return [*bits, *(1 - b for b in bits)]
+    k = _width(dtype, how, world)
+    chunks = [(n >> j) & ((1 << k) - 1) for j in range(0, BITS, k)]
+    if how == "sum":
+        return chunks if k == 1 else [*chunks, *(v * v for v in chunks)]
+    return [*chunks, *((1 << k) - 1 - v for v in chunks)]
 
 
 @dataclass(frozen=True)
@@ -117,11 +173,11 @@ _headers: _memo.Memo[Header] = _memo.Memo(locked=True)
 def _build(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: int) -> Header:
     """The :class:`Header` of a collective of ``kind`` ("gather", "broadcast"
     or "reduce"), combined by ``how`` (the all-reduce's op, "sum" for a
-    broadcast that sums, "" for one that arrives from ``src``). Moves carry
-    the bits as 0/1 in the wire integers (a float bucket holds their bits); a
-    reduce as the values 0 and 1, which every op keeps exact."""
-    bits = [(byte >> k) & 1 for byte in fingerprint[: BITS // 8] for k in range(8)]
-    values = bits if kind == "gather" else [*bits, *(1 - b for b in bits)]
+    broadcast that sums, "" for one that arrives from ``src``), as the
+    module's docstring says: a move's in its int32 wire words, a reduce's in
+    its bucket's dtype."""
+    values = _values(fingerprint, kind, dtype, how, world)
+    values += [0] * (size(kind, dtype, how, world) - len(values))  # (0 under every op)
     if kind == "reduce":
         part = torch.tensor(values, dtype=dtype)
         wire = _wire.encode_reduce(part.clone(), how, TORCH.bitcast)

@@ -47,6 +47,10 @@ WINNING_NAN = {
 }
 MAGNITUDE = {d: torch.iinfo(d).max for d in set(BITS.values())}
 
+#: The integer dtypes (bool included), in an order in which the last present
+#: one holds the values of every other it can (``xcoll._call.merged``).
+INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
 #: Half-precision sums, products and means accumulate in float32 on every backend
 #: (XLA:CPU cannot all-reduce bfloat16 at all) and are rounded back once.
 ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}

@@ -1,0 +1,162 @@
+"""The guard header's verdict, exactly, for every dtype, op and world size:
+each replica's header combined as the engine combines it (in the wire form,
+in the wire dtype: integer sums wrap as the engine's do), then read by each
+replica against its own expectation. Equal fingerprints pass on every
+replica; any that differ pass on none. And the header's size: the same for
+every dtype of one width and every op but prod, and small."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import example, given, settings
+
+import xcoll
+from tests.replicas import shared_pool
+from xcoll import _guard, _wire
+from xcoll._backends.base import TORCH
+
+_REDUCED = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
+
+
+def _fingerprint(k: int) -> bytes:
+    return hashlib.sha256(str(k).encode()).digest()
+
+
+def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> list[bool]:
+    """Per replica (one fingerprint each), whether its guard passes."""
+    w = len(prints)
+    headers = [_guard._build(p, dtype, kind, how, w) for p in prints]
+    if kind == "reduce":
+        wires = [_wire.encode_reduce(h.part.clone(), how, TORCH.bitcast) for h in headers]
+    else:
+        wires = [_wire.encode_move(h.part, TORCH.bitcast) for h in headers]
+    if kind == "gather":
+        result = torch.stack(wires)
+        return [_guard.as_bytes(result) == h.wire for h in headers]
+    # (one element at a time, in the wire dtype: an integer sum wraps as the engine's)
+    result = functools.reduce(_COMBINE["sum" if kind == "broadcast" else how], wires)
+    decoded = (
+        _wire.decode_reduce(result.clone(), dtype, how, TORCH.bitcast)
+        if kind == "reduce"
+        else _wire.decode_move(result, dtype, TORCH.bitcast)
+    )
+    wire_ok = [_guard.as_bytes(result) == h.wire for h in headers]
+    decoded_ok = [_guard.as_bytes(decoded) == h.decoded for h in headers]
+    assert wire_ok == decoded_ok  # (eager engines read the one, lazy ones the other)
+    return wire_ok
+
+
+def _ops(dtype: torch.dtype) -> list[str]:
+    return ["max", "min"] if dtype == torch.bool else ["sum", "max", "min", "prod"]
+
+
+@settings(deadline=None)
+@example(world=2, differ=[1], bit=0, seed=0)
+@example(world=255, differ=[3, 200], bit=63, seed=1)
+@given(
+    world=st.integers(1, 9) | st.sampled_from([127, 128, 255]),
+    differ=st.lists(st.integers(0, 254), max_size=3),
+    bit=st.integers(0, 63) | st.none(),
+    seed=st.integers(0, 1 << 20),
+)
+def test_a_verdict_passes_on_every_replica_or_on_none(world, differ, bit, seed):
+    """Replicas in ``differ`` hold another fingerprint: the same one bit
+    flipped, or another digest (``bit`` None); every other replica holds
+    ``seed``'s."""
+    mine = _fingerprint(seed)
+    other = (
+        _fingerprint(seed + 1)
+        if bit is None
+        else bytes(b ^ (1 << (bit % 8)) if j == bit // 8 else b for j, b in enumerate(mine))
+    )
+    _every_verdict([other if r in differ else mine for r in range(world)])
+
+
+@settings(deadline=None)
+@example(offsets=[-1, 0, 1], n=(1 << 40) + 2)  # a sum of v alone: 3 v at W=3
+@example(offsets=[-2, 1, 1, 0], n=6)
+@given(offsets=st.lists(st.integers(-3, 3), min_size=1, max_size=9), n=st.integers(0, (1 << 64) - 1))
+def test_fingerprints_whose_values_sum_alike_pass_on_no_replica(offsets, n):
+    """Replica r's fingerprint is ``n + offsets[r]``: values spread around one
+    replica's so that their sum is W times it (a header of ``v`` alone, or of
+    sums that wrap, would pass there)."""
+    _every_verdict([((n + d) % (1 << 64)).to_bytes(8, "little") * 4 for d in offsets])
+
+
+def _every_verdict(prints: list[bytes]) -> None:
+    """Every kind of header's verdict on every replica: pass if the replicas'
+    ``prints`` are all one, else fail."""
+    same = len(set(prints)) == 1
+    cases = [("gather", torch.int32, ""), ("broadcast", torch.int32, "sum")]
+    cases += [("reduce", d, how) for d in _REDUCED for how in _ops(d)]
+    for kind, dtype, how in cases:
+        assert _verdicts(kind, dtype, how, prints) == [same] * len(prints), (kind, dtype, how)
+
+
+def test_a_reduce_header_has_one_size_per_width_and_is_small():
+    """Replicas whose ops (prod aside) or dtypes of one width differ make
+    collectives of one size; at W=4 a 4-byte bucket's header has 12
+    elements, an 8-byte one's 6, a gather's 2 words."""
+    for world in (1, 2, 4, 8, 255):
+        for width in (1, 2, 4, 8):
+            sizes = {
+                _guard.size("reduce", d, how, world)
+                for d in _REDUCED
+                if d.itemsize == width
+                for how in _ops(d)
+                if how != "prod"
+            }
+            assert len(sizes) == 1, (world, width, sizes)
+    assert _guard.size("reduce", torch.float32, "sum", 4) == 12
+    assert _guard.size("reduce", torch.int64, "max", 4) == 6
+    assert _guard.size("gather", torch.int32, "", 4) == 2
+    assert _guard.size("broadcast", torch.int32, "", 4) == 2
+
+
+def _sent(_):
+    """The elements of each all-reduce of a 1-element float32 reduce (guarded,
+    then in mode never), on a group whose first call has been made."""
+    xcoll.gather(xcoll.rank())  # (a group's first call is checked in full)
+    sent = []
+    original = dist.all_reduce
+
+    def counting(t, *args, **kwargs):
+        sent.append(t.numel())
+        return original(t, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        x = torch.tensor([1.5 + xcoll.rank()])
+        got = [xcoll.reduce(x).item()]
+        with xcoll.consistency_checks("never"):
+            got.append(xcoll.reduce(x).item())
+    finally:
+        dist.all_reduce = original
+    return sent, got
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+def test_a_small_guarded_reduce_sends_a_small_header(world):
+    pool = shared_pool(world)
+    w = pool.world_size
+    size = _guard.size("reduce", torch.float32, "sum", w)
+    expected = sum(1.5 + r for r in range(w))
+    assert pool.run(_sent, [None] * w) == [([1 + size, 1], [expected, expected])] * w
