@@ -68,8 +68,7 @@ def _alone(tree):
     sharing memory with an input."""
     from xcoll import _call
 
-    before, _call.ALONE = _call.ALONE, 16
-    try:
+    with _call.tuned(alone=16):
         report = _with_accelerate(tree)
         mine = {t.untyped_storage().data_ptr() for t in optree.tree_leaves(tree)}
         # (a reduce encodes its own buffer in place: never the leaves)
@@ -77,8 +76,6 @@ def _alone(tree):
             for t in optree.tree_leaves(out):
                 assert t.untyped_storage().data_ptr() not in mine
         return report
-    finally:
-        _call.ALONE = before
 
 
 @PROPERTY
@@ -106,7 +103,7 @@ _COUNTED = (GATHER, "all_gather", "all_reduce", "broadcast")
 def _count_calls(n_leaves, big=2, widen=None):
     """Calls xcoll on a tree of ``n_leaves`` leaves of 5 dtypes (the first of
     ``big`` rows, the others of 2) with the process group's collectives
-    wrapped (and ``_call.WIDEN`` set to ``widen``, if given), and returns how
+    wrapped (and ``Tuning.widen`` set to ``widen``, if given), and returns how
     often each was called."""
     from xcoll import _call
 
@@ -123,32 +120,34 @@ def _count_calls(n_leaves, big=2, widen=None):
 
     dtypes = [torch.float32, torch.int64, torch.bfloat16, torch.int32, torch.uint8]
     tree = {
-        f"x{i:03d}": torch.full((big if i == 0 else 2, 3), xcoll.rank() + i, dtype=dtypes[i % len(dtypes)])
+        f"x{i:03d}": torch.full(
+            (big if i == 0 else 2, 3), xcoll.rank() + i, dtype=dtypes[i % len(dtypes)]
+        )
         for i in range(n_leaves)
     }
     calls = {}
     for name in _COUNTED:
         setattr(dist, name, counting(name))
-    widened, _call.WIDEN = _call.WIDEN, widen if widen is not None else _call.WIDEN
     try:
-        for what, fn in [
-            ("gather", lambda: xcoll.gather(tree)),
-            ("sum", lambda: xcoll.reduce(tree, "sum")),
-            (
-                "mean+max",
-                lambda: xcoll.reduce(
-                    tree, {k: ("mean" if v.is_floating_point() else "max") for k, v in tree.items()}
+        with _call.tuned(**({} if widen is None else {"widen": widen})):
+            for what, fn in [
+                ("gather", lambda: xcoll.gather(tree)),
+                ("sum", lambda: xcoll.reduce(tree, "sum")),
+                (
+                    "mean+max",
+                    lambda: xcoll.reduce(
+                        tree,
+                        {k: ("mean" if v.is_floating_point() else "max") for k, v in tree.items()},
+                    ),
                 ),
-            ),
-            ("broadcast", lambda: xcoll.broadcast(tree, src=xcoll.world_size() - 1)),
-        ]:
-            before = dict(counts)
-            out = fn()
-            calls[what] = {k: counts[k] - before[k] for k in counts if counts[k] != before[k]}
-            for key, got in out.items():  # and the values, on every rank
-                assert torch.equal(got, _expected(what, tree[key], int(key[1:]))), (what, key)
+                ("broadcast", lambda: xcoll.broadcast(tree, src=xcoll.world_size() - 1)),
+            ]:
+                before = dict(counts)
+                out = fn()
+                calls[what] = {k: counts[k] - before[k] for k in counts if counts[k] != before[k]}
+                for key, got in out.items():  # and the values, on every rank
+                    assert torch.equal(got, _expected(what, tree[key], int(key[1:]))), (what, key)
     finally:
-        _call.WIDEN = widened
         for name, fn in originals.items():
             setattr(dist, name, fn)
     return calls
@@ -209,16 +208,24 @@ def _wrapping(_):
         x = tree | (flags if op in ("max", "min") else {})
         expected = {k: per_leaf(t, op) for k, t in x.items()}
         got = []
-        for widen in (_call.WIDEN, 0):
-            before, _call.WIDEN = _call.WIDEN, widen
-            dist.all_reduce = lambda *a, **k: (calls.__setitem__(0, calls[0] + 1), all_reduce(*a, **k))[1]
+        for widen in (_call.Tuning().widen, 0):
+            dist.all_reduce = lambda *a, **k: (
+                calls.__setitem__(0, calls[0] + 1),
+                all_reduce(*a, **k),
+            )[1]
             try:
-                start = calls[0]
-                result = xcoll.reduce(x, op)
-                got.append(calls[0] - start)
+                with _call.tuned(widen=widen):
+                    start = calls[0]
+                    result = xcoll.reduce(x, op)
+                    got.append(calls[0] - start)
             finally:
-                dist.all_reduce, _call.WIDEN = all_reduce, before
-            got.append(all(torch.equal(result[k], v) and result[k].dtype == v.dtype for k, v in expected.items()))
+                dist.all_reduce = all_reduce
+            got.append(
+                all(
+                    torch.equal(result[k], v) and result[k].dtype == v.dtype
+                    for k, v in expected.items()
+                )
+            )
         out.append((op, *got))
     return out
 
@@ -254,7 +261,7 @@ _CROSSING = {
 def _each_widest(_):
     """For each integer dtype in turn as the widest: every op on a tree of it
     and every integer dtype before it (and bools, for the ops that take them),
-    merged and with WIDEN=0, against the fold over every rank's leaf in its own
+    merged and with Tuning.widen=0, against the fold over every rank's leaf in its own
     dtype (gloo has no int16 collective to compare with): ``(widest, op,
     all-reduce calls merged, equal, calls apart, equal)`` each."""
     from xcoll import _call
@@ -287,14 +294,15 @@ def _each_widest(_):
             }
             expected = {k: per_leaf(t.dtype, op) for k, t in tree.items()}
             got = [str(widest).removeprefix("torch."), op]
-            for widen in (_call.WIDEN, 0):
-                before, _call.WIDEN, dist.all_reduce = _call.WIDEN, widen, counted
+            for widen in (_call.Tuning().widen, 0):
+                dist.all_reduce = counted
                 try:
-                    start = calls[0]
-                    result = xcoll.reduce(tree, op)
-                    got.append(calls[0] - start)
+                    with _call.tuned(widen=widen):
+                        start = calls[0]
+                        result = xcoll.reduce(tree, op)
+                        got.append(calls[0] - start)
                 finally:
-                    dist.all_reduce, _call.WIDEN = all_reduce, before
+                    dist.all_reduce = all_reduce
                 same = [torch.equal(result[k], e) for k, e in expected.items()]
                 got.append(all(same) and all(result[k].dtype == tree[k].dtype for k in tree))
             out.append(tuple(got))
@@ -334,11 +342,8 @@ def test_integers_too_large_to_widen_keep_their_own_collective(gloo):
 def _count_alone(_):
     from xcoll import _call
 
-    before, _call.ALONE = _call.ALONE, 1024
-    try:
+    with _call.tuned(alone=1024):
         return _count_calls(3, big=256)
-    finally:
-        _call.ALONE = before
 
 
 def test_a_large_leaf_travels_alone_after_the_rest(gloo):

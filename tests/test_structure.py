@@ -27,6 +27,8 @@ LAYERS = [
     ["xcoll._exchange"],
     ["xcoll._check"],
     ["xcoll._guard"],
+    ["xcoll._recipe"],
+    ["xcoll._execute"],
     ["xcoll._call"],
     ["xcoll._uneven", "xcoll._samples"],
     ["xcoll._collectives"],
@@ -93,6 +95,28 @@ def test_no_import_cycles_even_inside_functions():
             assert graph[m] <= seen | set(layer) - {m}, (m, graph[m] - seen)
         seen |= set(layer)
     assert seen >= {m for m in graph if m.startswith("xcoll._")} - {"xcoll._backends"}
+
+
+#: The most lines a function of xcoll/ may have, its docstring aside (public
+#: docstrings carry Args, Returns, Raises and an example).
+LONGEST = 60
+
+
+def _length(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    first = node.body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    doc = first.end_lineno - first.lineno + 1 if docstring and first.end_lineno else 0
+    return (node.end_lineno or node.lineno) - node.lineno + 1 - doc
+
+
+def test_no_function_is_longer_than_60_lines():
+    long = [
+        f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} ({_length(node)} lines)"
+        for path in sorted(ROOT.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _length(node) > LONGEST
+    ]
+    assert not long, long
 
 
 def test_private_torch_xla_calls_live_in_one_module():

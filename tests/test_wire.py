@@ -6,6 +6,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import same_bits, same_values
 from tests.strategies import _float_values
@@ -131,18 +132,39 @@ def test_reduce_encodings_reduce_as_documented(case):
     assert same_bits(got, _promised(op, xs, dtype, means)), (dtype, op, xs, got)
 
 
+class _Temporaries(TorchDispatchMode):
+    """Records the largest number of elements of a tensor that a torch op
+    makes while it is active, other than views of ``buf``."""
+
+    def __init__(self, buf: torch.Tensor):
+        super().__init__()
+        self.storage, self.largest = buf.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != self.storage:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
 @pytest.mark.parametrize("op", ["max", "min"])
 def test_a_reduce_larger_than_a_chunk_is_encoded_whole(op):
-    """Buffers of more than 2**20 elements are encoded and decoded in chunks
-    (bounding the temporaries): every chunk is."""
+    """Buffers of more than 2**20 elements are encoded and decoded in chunks:
+    every chunk is, and no temporary (a mask, the flipped keys) has more than
+    a chunk's elements, whatever the buffer's size."""
     n = (1 << 20) + 3
     x = torch.arange(n, dtype=torch.float32) - n // 2
     x[-1] = -0.0
     x[7] = float("nan")
-    wire = _wire.encode_reduce(x.clone(), op, bitcast)
+    buf = x.clone()
+    with _Temporaries(buf) as encoding:
+        wire = _wire.encode_reduce(buf, op, bitcast)
     assert torch.equal(wire, _wire.encode_order(x, op, bitcast))
-    got = _wire.decode_reduce(wire, torch.float32, op, bitcast)
+    with _Temporaries(wire) as decoding:
+        got = _wire.decode_reduce(wire, torch.float32, op, bitcast)
     assert same_bits(got, x.masked_fill(torch.isnan(x), float("nan")))
+    assert 0 < encoding.largest <= 1 << 20 and 0 < decoding.largest <= 1 << 20
 
 
 # ---- merged reduce buckets ----------------------------------------------------
@@ -173,7 +195,7 @@ def _holds(wide: torch.dtype, d: torch.dtype) -> bool:
 def test_a_merged_bucket_holds_every_value_of_its_leaves(op, leaves, widen):
     """A reduce's leaves of one op share a bucket where the result stays the
     same: integers in the widest integer dtype present that holds every
-    value of theirs (uint8 not in int8), up to WIDEN bytes of each dtype
+    value of theirs (uint8 not in int8), up to Tuning.widen bytes of each dtype
     widened; half-precision sums and products with float32's, or with each
     other as float32; every other leaf in a bucket of its own dtype."""
     from xcoll import _call, _tree
@@ -181,11 +203,8 @@ def test_a_merged_bucket_holds_every_value_of_its_leaves(op, leaves, widen):
     if op in ("sum", "prod"):  # (a bool's prod is its min, a sum of bools is refused)
         leaves = [(d, n) for d, n in leaves if d != torch.bool] or [(torch.int8, 1)]
     flat = _tree.flatten([torch.zeros(n, dtype=d) for d, n in leaves])
-    before, _call.WIDEN = _call.WIDEN, widen
-    try:
+    with _call.tuned(widen=widen):
         got = _call.merged(flat, [(d, op) for d, _ in leaves])
-    finally:
-        _call.WIDEN = before
     present = {d for d, _ in leaves}
     ints = [d for d in _INTEGERS if d in present]
     widest = ints[-1] if ints else None

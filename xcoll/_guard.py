@@ -208,14 +208,12 @@ def fire(
     transport: Transport,
     signature: Signature | None,
     src: int | None = None,
-    received: Any = None,
 ) -> NoReturn:
     """Raises :class:`CollectiveMismatchError` for a call whose header says the
     replicas' calls differ. Every replica gets the same verdict, so they all
     exchange their descriptions, and the error names the first difference and
     both ranks. ``src``: a one-sided verdict (a receiver of ``src``'s
-    broadcast), which exchanges nothing (``src`` has returned); the error
-    keeps what arrived as ``received``, for a caller whose protocol goes on."""
+    broadcast), which exchanges nothing (``src`` has returned)."""
     s = signature
     rank = transport.rank_name(transport.rank())
     if s is None:  # this replica runs in mode "never", others do not
@@ -224,12 +222,10 @@ def fire(
             "replica's is \"never\"; every replica must use the same mode)"
         )
     if src is not None:
-        error = _check.CollectiveMismatchError(
+        raise _check.CollectiveMismatchError(
             f"{s.name}: this replica's call ({rank}: {_summary(s)}) differs from the call of "
             f"src, {transport.rank_name(src)}; run with XCOLL_CHECK=always to name the difference"
         )
-        error.received = received  # type: ignore[attr-defined]
-        raise error
     try:
         _check.verify(transport, s.name, s.head, s.description, tag=s.tag)
     except RuntimeError as e:

@@ -121,22 +121,16 @@ def broadcast_object(
         mine = transport.rank() == src
         data, error = _encode_or_error(obj) if mine else (b"", None)
         size = -1 if data is None else len(data)
-        mismatch = None
-        try:
-            size = _call.run(_call.Broadcast(src), size, transport, signature=signature)
-        except _check.CollectiveMismatchError as e:
-            received = getattr(e, "received", None)  # (set by _guard.fire)
-            if received is None:
-                raise
-            # a receiver's one-sided verdict (gloo): src goes on to send its
-            # data, so this replica receives it before raising
-            size, mismatch = received, e
+        # (a receiver's one-sided verdict, gloo's: src goes on to send its
+        # data, so this replica receives it before raising)
+        op = _call.Broadcast(src)
+        size, agree = _call.outcome(op, size, transport, signature=signature)
         if size < 0:
             _raise_for([src], error, "broadcast_object")
         buf = transport.upload(_exchange.bytes_tensor(data or b"", _pack.size_bucket(size)))
-        out = _call.run(_call.Broadcast(src), buf, transport)
-        if mismatch is not None:
-            raise mismatch
+        out = _call.run(op, buf, transport)
+        if not agree:
+            _guard.fire(transport, signature, src)
         return _codec.decode(transport.to_host([out])[0][:size].numpy().tobytes())
 
 

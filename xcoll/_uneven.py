@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _call, _check, _pack, _tree
+from . import _call, _check, _pack, _recipe, _tree
 
 _MAX_DIMS = 8
 
@@ -59,7 +59,7 @@ _STACKED = _call.Gather(stack=True)
 
 
 @dataclass(frozen=True)
-class UnevenPlan(_call.Plan):
+class UnevenPlan(_recipe.Plan):
     rows: Rows | None = None
 
 

@@ -1,0 +1,250 @@
+"""The executor: one call's :class:`~xcoll._recipe.Recipe`, run straight
+through: pack, collectives, verdict, unpack, outputs.
+
+A move (gather, broadcast) joins every bucket's bytes into one buffer (one
+kernel call) and makes one collective; a reduce packs its buckets (one kernel
+call), encodes them in place and makes one collective per bucket. Then one
+wait, the buffers cut back into buckets (one kernel call), and into outputs:
+on the device with one kernel call, or on the host with a torch call per run
+of equal shapes after one fetch per call (``to_cpu``).
+
+Everything here reads the recipe; nothing calls back into the op that made
+it. The verdict of a one-sided broadcast (a receiver learns that ``src``'s
+call differs only after taking part in every collective, as ``src`` does) is
+returned, not raised, so that a caller whose protocol goes on can go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _guard, _pack, _tree, _wire
+from ._backends.base import TORCH, Transport
+from ._recipe import Recipe
+
+
+def execute(
+    r: Recipe,
+    flat: _tree.Flat,
+    transport: Transport,
+    signature: _guard.Signature | None,
+    *,
+    sync: bool = True,
+    to_cpu: bool = False,
+) -> tuple[Any, bool]:
+    """The output tree, and whether the call's verdict is "agree" (False only
+    for a receiver of a one-sided broadcast whose ``src``'s call differs:
+    every other verdict that disagrees raises, the same on every replica).
+
+    Outputs never require grad and never alias the inputs; Python scalar
+    leaves come back as Python values (a gather's, as lists)."""
+    with torch.no_grad():
+        out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
+    for i in flat.scalars:
+        block = out[i]
+        out[i] = (
+            [_tree.to_python(v, flat.leaves[i]) for v in block]
+            if r.kind == "gather"
+            else _tree.to_python(block, flat.leaves[i])
+        )
+    return flat.unflatten(out), agree
+
+
+def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to_cpu: bool):
+    """The output leaves (Python scalars as CPU tensors), and the verdict."""
+    out: list[Any] = [None] * len(flat.leaves)
+    for leaf, shape, dtype in r.empties:
+        device = "cpu" if to_cpu else flat.leaves[leaf].device
+        out[leaf] = _finish(r, leaf, torch.empty(shape, dtype=dtype, device=device))
+    if not r.buckets and r.guard is None:
+        return out, True
+    mine = None
+    if r.guard is not None:
+        assert signature is not None
+        mine = signature.header(r.guard.dtype, r.kind, r.guard.how, r.world)
+    # (each stage's buffers are dropped once used: on XLA whatever is still
+    # referenced at the sync becomes a graph output of its own)
+    wires = _wires(r, flat, transport, signature, mine)
+    results = _communicate(r, transport, wires, signature, mine)
+    del wires
+    late = _arrived(r, transport, results[0]) if r.guard and r.guard.when == "last" else None
+    flats, header = _decoded(r, transport, results, to_cpu)
+    del results
+    pieces, header = _pieces(r, transport, flats, header, to_cpu)
+    del flats
+    blocks = _place(r, pieces, out)
+    del pieces
+    blocks, header = _materialise(transport, blocks, header, sync, to_cpu)
+    if header is not None:
+        assert mine is not None
+        _check(transport, signature, _guard.as_bytes(header), mine.decoded)
+    for scalars, block in zip(r.scalars, blocks, strict=True):
+        for leaf, j in scalars:
+            out[leaf] = block[..., j]
+    return out, late is None or (mine is not None and late == mine.wire)
+
+
+def _wires(r: Recipe, flat, transport: Transport, signature, mine) -> list[torch.Tensor]:
+    """The buffers the call's collectives send: a move's joined buffer (the
+    header first) and its buckets that travel alone; a reduce's encoded
+    buckets (the header at bucket 0's front)."""
+    leaves = transport.own_buffers(flat)
+    parts = [_pack.parts(b, leaves, transport.upload) for b in r.buckets]
+    # the header: a part of its own (bucket 0's first, or a move's first segment)
+    head = [[signature.uploaded(transport, mine, r.kind)]] if mine is not None else []
+    kernels = transport.kernels
+    if r.kind == "reduce":
+        parts[0] = [*(head[0] if head else []), *parts[0]]
+        packed = kernels.pack(parts, r.part_shapes, [b.dtype for b in r.buckets])
+        return kernels.encode_reduce(packed, list(r.ops))
+    wires = []
+    if r.joined is not None:
+        wires.append(kernels.join(head + [parts[j] for j in r.joined.order], r.joined))
+    return wires + [_alone(r, transport, parts[j][0]) for j in r.alone]
+
+
+def _alone(r: Recipe, transport: Transport, leaf: torch.Tensor) -> torch.Tensor:
+    """The wire of a move's bucket that travels as itself (eager engines): the
+    leaf's bytes, which a gather only reads; a broadcast writes its buffer in
+    place: src's own copy (its output must not alias its input), a
+    receiver's empty buffer."""
+    if r.kind == "gather":
+        return _wire.encode_move(leaf.contiguous().reshape(-1), TORCH.bitcast)
+    if transport.rank() == r.src:
+        own = leaf.clone(memory_format=torch.contiguous_format)
+    else:
+        own = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+    return _wire.encode_move(own.reshape(-1), TORCH.bitcast)  # (a view: contiguous)
+
+
+def _send(r: Recipe, transport: Transport, wire: torch.Tensor, k: int) -> torch.Tensor:
+    """Starts collective ``k`` of the call (the first carries the header)."""
+    if r.kind == "gather":
+        return transport.all_gather(wire)
+    if r.kind == "reduce":
+        return transport.all_reduce(wire, r.ops[k])
+    return transport.broadcast(wire, r.src, r.guard.size if r.guard and k == 0 else 0)
+
+
+def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> list[torch.Tensor]:
+    """Every collective's result, waited for. On an eager engine the first
+    one's header is checked before the others start (a call whose buckets
+    differ in number stops there)."""
+    results = [_send(r, transport, wires[0], 0)]
+    if r.guard is not None and r.guard.when == "first":
+        transport.wait()
+        _check(transport, signature, _arrived(r, transport, results[0]), mine.wire)
+    results += [_send(r, transport, w, k) for k, w in enumerate(wires[1:], 1)]
+    transport.wait()  # eager engines started every collective asynchronously
+    return results
+
+
+def _arrived(r: Recipe, transport: Transport, result: torch.Tensor) -> bytes:
+    """The header part of the first collective's result (eager engines),
+    downloaded alone."""
+    n = r.guard.size if r.guard else 0
+    first = result.view(r.world, -1).narrow(1, 0, n) if r.kind == "gather" else result[:n]
+    return _guard.as_bytes(transport.to_host([first])[0])
+
+
+def _check(transport: Transport, signature, got: bytes, expected: bytes) -> None:
+    """The verdict: the same result on every replica, so the same verdict."""
+    if got != expected:
+        _guard.fire(transport, signature)
+
+
+def _decoded(r: Recipe, transport: Transport, results, to_cpu: bool):
+    """Each live bucket's 1-d buffer, on the engine's device (one computation
+    on XLA), and a move's header piece (None for a reduce's, which is still
+    bucket 0's first part). With ``to_cpu`` a move's buffers stay in their
+    integer wire form: a device's download of floats may change NaN payloads
+    (a reduce's NaN are the quiet NaN, which every download keeps)."""
+    if r.kind == "reduce":
+        dtypes = [b.dtype for b in r.buckets]
+        flats = transport.kernels.decode_reduce(
+            results, dtypes, list(r.ops), list(r.means), r.world
+        )
+        return flats, None
+    return _unjoin(r, transport, results, wire=to_cpu)
+
+
+def _pieces(r: Recipe, transport: Transport, flats, header, to_cpu: bool):
+    """Each live bucket's output pieces, cut on the device, or with
+    ``to_cpu`` fetched first (with the header) and cut on the host; and the
+    header's piece if it is still to be read (lazy engines)."""
+    if to_cpu:
+        fetched = transport.sync_and_fetch(flats + ([header] if header is not None else []))
+        header = fetched.pop() if header is not None else None
+        if r.kind != "reduce":
+            dtypes = [b.dtype for b in r.buckets]
+            fetched = [
+                _wire.decode_move(f, d, TORCH.bitcast) for f, d in zip(fetched, dtypes, strict=True)
+            ]
+        pieces = TORCH.split(fetched, r.shapes, r.casts)
+    else:
+        pieces = transport.kernels.split(flats, r.shapes, r.casts) if flats else []
+    if r.guard is not None and r.kind == "reduce":  # the header's piece of bucket 0
+        header = pieces[0].pop(0)
+    return pieces, header if r.guard is not None and r.guard.when == "outputs" else None
+
+
+def _unjoin(r: Recipe, transport: Transport, results, wire: bool):
+    """Each live bucket's 1-d buffer of a move (in
+    the integer ``wire`` form, or decoded), and its header piece (or None):
+    the joined buffer's first, then those of the buckets that travel alone (a
+    gather's result of one slot is slot-major already)."""
+    flats: list[Any] = [None] * len(r.buckets)
+    header = None
+    results = list(results)
+    if r.joined is not None:
+        segments = transport.kernels.unjoin(results.pop(0), r.joined, r.gathered, wire)
+        header = segments.pop(0) if r.guard is not None else None
+        for j, seg in zip(r.joined.order, segments, strict=True):
+            flats[j] = seg
+    for j, got in zip(r.alone, results, strict=True):
+        flats[j] = got if wire else _wire.decode_move(got, r.buckets[j].dtype, TORCH.bitcast)
+    return flats, header
+
+
+def _place(r: Recipe, pieces, out: list[Any]) -> list[torch.Tensor]:
+    """Each tensor slot's output from its piece; returns the scalar blocks
+    (a bucket's last piece, when it has scalars)."""
+    for b, bucket_pieces in zip(r.buckets, pieces, strict=True):
+        for s, t in zip(b.tensors, bucket_pieces, strict=False):
+            out[s.leaf] = _finish(r, s.leaf, t)
+    return [p[-1] for b, p in zip(r.buckets, pieces, strict=True) if b.scalars]
+
+
+def _finish(r: Recipe, leaf: int, t: torch.Tensor) -> torch.Tensor:
+    """A gathered leaf whose replica axis moves: ``(W, *shape)`` to
+    ``(*shape[:d], W, *shape[d:])``, concatenated unless it stacks."""
+    d = r.moved.get(leaf)
+    if not d:
+        return t
+    t = t.movedim(0, d)
+    if r.stack:
+        return t
+    pre = t.shape
+    return t.reshape(*pre[:d], r.world * pre[d + 1], *pre[d + 2 :])
+
+
+def _materialise(
+    transport: Transport, blocks: Sequence[torch.Tensor], header, sync: bool, to_cpu: bool
+):
+    """The scalar blocks and the header's piece on the host (device outputs:
+    one sync and one fetch, in which the outputs materialise; with ``to_cpu``
+    they are there already). Only the outputs, the scalar blocks and the
+    header are referenced here, so they alone become graph outputs."""
+    if to_cpu:
+        return list(blocks), header
+    fetch = list(blocks) + ([header] if header is not None else [])
+    if sync and fetch:
+        fetch = transport.sync_and_fetch(fetch)
+    elif sync:
+        transport.sync()
+    elif fetch:
+        fetch = transport.to_host(fetch)
+    return (fetch[:-1], fetch[-1]) if header is not None else (fetch, None)

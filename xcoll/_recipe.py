@@ -1,0 +1,189 @@
+"""What a call does, decided once per signature: the op's :class:`Plan`, and
+the :class:`Recipe` that :mod:`xcoll._execute` runs straight through.
+
+A plan depends on the op's parameters, the world size and the tree's
+signature (:attr:`xcoll._tree.Flat.key`); a recipe adds what the engine and
+the mode decide: the guard header (its dtype, how the collective combines it,
+its size and when its verdict is read), which buckets travel, joined or alone,
+and every shape, cast and mean range the executor needs. Both are frozen and
+cached (a plan in ``_call``'s cache, its recipes on the plan), so a repeated
+call reads them straight through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _check, _guard, _pack
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one op moves one kind of tree (built once per op parameters, world
+    size and :attr:`xcoll._tree.Flat.key`, then reused; building validates the
+    call, so a call that raises leaves nothing behind)."""
+
+    buckets: list[_pack.Bucket]
+    #: Per bucket: each tensor slot's output shape (before a gather moves its
+    #: replica axis), then, if it has Python scalars, their block's ``(*lead, k)``.
+    shapes: list[Shapes]
+    #: What the replicas must agree on (the consistency check compares it).
+    description: _check.Description
+    #: Gather: leaf -> the dim its replica axis moves to.
+    moved: Mapping[int, int] = field(default_factory=dict)
+    #: Reduce: per bucket, the ranges of mean elements (divided by W).
+    means: tuple[tuple[tuple[int, int], ...], ...] = ()
+    #: Reduce: per bucket, its all-reduce op.
+    ops: tuple[str, ...] = ()
+    _recipes: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A call's guard header (:mod:`xcoll._guard`)."""
+
+    dtype: torch.dtype
+    #: How the collective combines it (:func:`xcoll._guard.size`).
+    how: str
+    size: int
+    #: When the verdict is read: "first" (eager engines: the first
+    #: collective's header, downloaded before the others start), "last" (a
+    #: receiver of a one-sided broadcast: after every collective, as src
+    #: makes them), "outputs" (lazy engines: fetched with the outputs).
+    when: str
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything :func:`xcoll._execute.execute` does, per live bucket (those
+    that travel: with elements, or carrying the header)."""
+
+    #: "gather", "reduce" or "broadcast".
+    kind: str
+    world: int
+    #: A broadcast's source rank.
+    src: int
+    buckets: tuple[_pack.Bucket, ...]
+    #: Reduce: each bucket's all-reduce op.
+    ops: tuple[str, ...]
+    #: Each bucket's parts' shapes, output pieces' shapes, casts and mean
+    #: ranges, the header (a reduce's) as bucket 0's first part.
+    part_shapes: tuple[Shapes, ...]
+    shapes: tuple[Shapes, ...]
+    casts: tuple[tuple[torch.dtype | None, ...], ...]
+    means: tuple[tuple[tuple[int, int], ...], ...]
+    #: A move's buckets as one buffer, the header first (None: a reduce, or
+    #: nothing to join); positions of the buckets that travel as themselves.
+    joined: _pack.Joined | None
+    alone: tuple[int, ...]
+    guard: Guard | None
+    #: The tensor leaves without elements: (leaf, shape, dtype); nothing to send.
+    empties: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
+    #: Gather: leaf -> the dim its replica axis moves to; whether it stacks.
+    moved: Mapping[int, int]
+    stack: bool
+    #: The Python scalars of each bucket that has some: (leaf, position in its block).
+    scalars: tuple[tuple[tuple[int, int], ...], ...]
+
+    @property
+    def gathered(self) -> int | None:
+        """W for a gather, whose results arrive as (W, n)."""
+        return self.world if self.kind == "gather" else None
+
+
+def recipe(
+    plan: Plan, kind: str, world: int, guard: Guard | None, alone: int, src: int, stack: bool
+) -> Recipe:
+    """``plan``'s recipe (cached on it): with ``guard``'s header, and a move's
+    buckets of one tensor of ``alone`` bytes or more (0: none) travelling as
+    themselves."""
+    key = (kind, world, guard, alone, src, stack)
+    if key not in plan._recipes:
+        plan._recipes[key] = _build(plan, kind, world, guard, alone, src, stack)
+    return plan._recipes[key]
+
+
+def guard(kind: str, dtype: torch.dtype, how: str, world: int, lazy: bool) -> Guard:
+    """The :class:`Guard` of a collective of ``kind`` whose header is of
+    ``dtype``, combined by ``how``."""
+    one_sided = kind == "broadcast" and not how
+    when = "outputs" if lazy else "last" if one_sided else "first"
+    return Guard(dtype, how, _guard.size(kind, dtype, how, world), when)
+
+
+def _build(
+    plan: Plan, kind: str, world: int, g: Guard | None, alone: int, src: int, stack: bool
+) -> Recipe:
+    b = plan.buckets
+    joined = kind != "reduce"
+    live = [k for k, x in enumerate(b) if x.size or (g and k == 0 and not joined)]
+    means = list(plan.means) or [() for _ in b]
+    part_shapes = [b[k].part_shapes for k in live]
+    shapes = [plan.shapes[k] for k in live]
+    casts = [b[k].casts for k in live]
+    means = [means[k] for k in live]
+    if g and not joined:  # the header: bucket 0's first part
+        part_shapes[0] = ((g.size,), *part_shapes[0])
+        shapes[0] = ((g.size,), *shapes[0])
+        casts[0] = (None, *casts[0])
+        means[0] = tuple((a + g.size, z + g.size) for a, z in means[0])
+    apart = _apart(b, live, alone) if joined else ()
+    return Recipe(
+        kind=kind,
+        world=world,
+        src=src,
+        buckets=tuple(b[k] for k in live),
+        ops=tuple(plan.ops[k] for k in live) if plan.ops else (),
+        part_shapes=tuple(part_shapes),
+        shapes=tuple(shapes),
+        casts=tuple(casts),
+        means=tuple(means),
+        joined=_joined(b, live, apart, g) if joined else None,
+        alone=apart,
+        guard=g,
+        empties=_empties(plan),
+        moved=plan.moved,
+        stack=stack,
+        scalars=tuple(
+            tuple((s.leaf, j) for j, s in enumerate(b[k].scalars)) for k in live if b[k].scalars
+        ),
+    )
+
+
+def _apart(b: list[_pack.Bucket], live: list[int], alone: int) -> tuple[int, ...]:
+    """Positions in ``live`` of a move's buckets that travel as themselves:
+    one tensor of ``alone`` bytes or more."""
+    return tuple(
+        j
+        for j, k in enumerate(live)
+        if alone
+        and not b[k].scalars
+        and len(b[k].tensors) == 1
+        and b[k].size * b[k].dtype.itemsize >= alone
+    )
+
+
+def _joined(
+    b: list[_pack.Bucket], live: list[int], apart: tuple[int, ...], g: Guard | None
+) -> _pack.Joined | None:
+    rest = [j for j in range(len(live)) if j not in apart]
+    if not rest and not g:
+        return None
+    dtypes = [b[live[j]].dtype for j in rest]
+    return _pack.Joined.of(dtypes, [b[live[j]].part_shapes for j in rest], g.size if g else 0, rest)
+
+
+def _empties(plan: Plan) -> tuple[tuple[int, tuple[int, ...], torch.dtype], ...]:
+    out: list[Any] = []
+    for b, shapes in zip(plan.buckets, plan.shapes, strict=True):
+        if not b.size:
+            out += [
+                (s.leaf, sh, s.dtype or b.dtype) for s, sh in zip(b.tensors, shapes, strict=True)
+            ]
+    return tuple(out)
