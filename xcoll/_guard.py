@@ -290,9 +290,9 @@ class entered:
     check when due (raising the call's local ``error``, shared with every
     replica), and, on the way out, the engine's failure to complete a
     collective in xcoll's words. The block's value is the call's
-    :class:`Signature` for its guard (None in mode "never", or where the
-    call's results are ``unread`` before it returns: such a call is checked
-    in full first)."""
+    :class:`Signature` for its guard (None in mode "never", in a world of
+    one, or where the call's results are ``unread`` before it returns: such a
+    call is checked in full first)."""
 
     def __init__(
         self,
@@ -341,7 +341,9 @@ class entered:
             # the error's traceback holds this frame: without this, the frame
             # would hold the error (a cycle), and with it the call's tensors
             error = None  # noqa: F841
-        return None if mode == "never" or self.unread else signature
+        # (a world of one has no other replica to disagree with: no header)
+        alone = t.world_size() == 1
+        return None if mode == "never" or self.unread or alone else signature
 
     def __exit__(
         self,
