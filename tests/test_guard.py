@@ -214,7 +214,9 @@ def test_a_header_that_differs_in_any_one_bit_is_a_clean_error_on_every_replica(
                 # it raises where src's or its own bit is the flipped one
                 flipped = bit % w
                 raises = r != 0 and flipped in (0, r)
-                expected = "the call of src, rank 0" if raises else "returned"
+                mine = f"this replica's call (rank {r}: tag: "
+                expected = mine if raises else "returned"
+                assert not raises or "differs from the call of src, rank 0" in outcome, outcome
             else:
                 expected = "the replicas' descriptions agree"
             assert expected in outcome, (r, name, bit, outcome)
