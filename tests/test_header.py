@@ -127,6 +127,20 @@ def test_a_reduce_header_has_one_size_per_width_and_is_small():
             assert len(sizes) == 1, (world, width, sizes)
     assert _guard.size("reduce", torch.float32, "sum", 4) == 12
     assert _guard.size("reduce", torch.int64, "max", 4) == 6
+    # each op's own values, before the padding to its width's size: k-bit
+    # values as wide as the dtype holds exactly (sums: W (2**k - 1)**2 exactly)
+    own = {
+        (torch.float32, "sum"): 12,  # k = 11
+        (torch.float32, "max"): 6,  # k = 24
+        (torch.int64, "sum"): 6,  # k = 30
+        (torch.int64, "min"): 4,  # k = 63
+        (torch.uint8, "max"): 16,  # k = 8
+        (torch.int8, "sum"): 64,  # k = 2
+        (torch.bool, "max"): 128,  # k = 1
+        (torch.float16, "prod"): 128,  # bits and complements
+    }
+    for (dtype, how), n in own.items():
+        assert len(_guard._values(_fingerprint(0), "reduce", dtype, how, 4)) == n, (dtype, how)
     assert _guard.size("gather", torch.int32, "", 4) == 2
     assert _guard.size("broadcast", torch.int32, "", 4) == 2
 
