@@ -113,7 +113,9 @@ CALLS = [
     ("gather", {"stack": True, "dim": 1}),
     ("reduce", {"op": "sum"}),
     ("reduce", {"op": "max"}),
+    ("reduce", {"op": "max", "to_cpu": True}),
     ("broadcast", {"src": 1}),
+    ("broadcast", {"src": 1, "to_cpu": True}),
 ]
 
 
@@ -141,13 +143,16 @@ def test_one_execution_per_replica_and_no_recompile(xla4, name, kwargs):
         assert again["compiles"] == 0
 
 
-def test_to_cpu_fetches_one_buffer_per_dtype_not_per_leaf(xla4):
+@pytest.mark.parametrize("name,op", [("gather", None), ("reduce", "max"), ("broadcast", None)])
+def test_to_cpu_fetches_one_buffer_per_dtype_not_per_leaf(xla4, name, op):
     w = xla4.world_size
     xla4.run(_setup, [(N_LEAVES, 4)] * w)
-    _delta(xla4, _call, ("gather", {"to_cpu": True}))  # compile
-    plain = _delta(xla4, _call, ("gather", {"to_cpu": True}))
-    # 6 packed buffers (4 tensor dtypes, 2 scalar dtypes) fetched in one call per replica;
-    # fetching leaf by leaf would make it one per leaf
+    kwargs = {"to_cpu": True, **({"op": op} if op else {})}
+    _delta(xla4, _call, (name, kwargs))  # compile
+    plain = _delta(xla4, _call, (name, kwargs))
+    # the packed buffers (4 tensor dtypes, 2 scalar dtypes) and the guard's
+    # header fetched in one call per replica; fetching leaf by leaf would make
+    # it one per leaf, and a device output read on the host one more
     assert plain["transfers_from_device"] == w
 
 

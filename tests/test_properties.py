@@ -244,11 +244,12 @@ def _reduce_case(draw, world_size):
 @given(case=st.data())
 def test_reduce(pool, case):
     op, trees = case.draw(_reduce_case(pool.world_size))
-    reports = _run(pool, "reduce", trees, {"op": op}, extra="stacked" if op == "sum" else None)
+    kwargs = {"op": op, "to_cpu": case.draw(st.booleans(), "to_cpu")}
+    reports = _run(pool, "reduce", trees, kwargs, extra="stacked" if op == "sum" else None)
     expected = optree.tree_map(lambda *vs: _documented(op, vs), *trees, none_is_leaf=False)
     out = reports[0]["out"]
     assert_trees(out, expected, same_bits, f"reduce {op}")
-    assert set(reports[0]["devices"]) <= {_expected_devices(pool, {})}
+    assert set(reports[0]["devices"]) <= {_expected_devices(pool, kwargs)}
     if op == "sum":  # reduce(t, "sum") == gather(t, stack=True) summed over axis 0
         summed = optree.tree_map(
             lambda like, g: (
@@ -307,9 +308,10 @@ def test_broadcast(pool, data):
     src = data.draw(st.integers(0, w - 1), "src")
     if data.draw(st.booleans(), "others hold NaN"):
         trees = [t if r == src else _poison(t) for r, t in enumerate(trees)]
-    reports = _run(pool, "broadcast", trees, {"src": src})
+    kwargs = {"src": src, "to_cpu": data.draw(st.booleans(), "to_cpu")}
+    reports = _run(pool, "broadcast", trees, kwargs)
     assert_trees(reports[0]["out"], trees[src], same_bits, "broadcast")
-    assert set(reports[0]["devices"]) <= {_expected_devices(pool, {})}
+    assert set(reports[0]["devices"]) <= {_expected_devices(pool, kwargs)}
 
 
 @pytest.mark.parametrize("name", ["gather", "reduce", "broadcast"])

@@ -115,7 +115,7 @@ class Op(ABC):
 
     def head(self, sync: bool, to_cpu: bool) -> str:
         """The call's parameters, as the consistency check compares them."""
-        return f"sync={sync}"
+        return f"to_cpu={to_cpu} sync={sync}"
 
     def validate(self, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> None:
         """Checks of the call's arguments that are not cached with the plan."""
@@ -351,7 +351,7 @@ class Broadcast(Packed):
     kind = "broadcast"
 
     def head(self, sync, to_cpu):
-        return f"src={self.src} sync={sync}"
+        return f"src={self.src} to_cpu={to_cpu} sync={sync}"
 
     def validate(self, flat, transport, sync, to_cpu):
         super().validate(flat, transport, sync, to_cpu)

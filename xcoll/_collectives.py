@@ -116,6 +116,7 @@ def reduce(
     op: Any = "sum",
     *,
     sync: bool = True,
+    to_cpu: bool = False,
     group: Any = None,
     tag: str | int | None = None,
 ) -> Any:
@@ -136,20 +137,24 @@ def reduce(
             integers or bools, sum of bools (use ``"max"`` for any, ``"min"``
             for all, or sum ``x.int()`` to count).
         sync: as in :func:`gather`.
+        to_cpu: return CPU tensors, fetched in the call's one transfer (on XLA,
+            with the guard's header: a metric read on the host costs no second
+            transfer).
         group: as in :func:`gather`.
         tag: as in :func:`gather`.
 
     Returns:
         A tree of ``tree``'s structure whose leaves are the reduced values (new
-        tensors on the leaves' device; Python scalars for Python scalar leaves).
+        tensors on the leaves' device, or on the CPU with ``to_cpu``; Python
+        scalars for Python scalar leaves).
 
     Raises:
         TypeError: an unsupported leaf (as in :func:`gather`), or an op its
             dtype refuses (mean of integers or bools, sum of bools), naming
             the leaf's path; before any communication.
         ValueError: an unknown op, an op tree that is not a prefix of ``tree``,
-            Python scalars with ``sync=False``, ``group`` with XLA leaves or on
-            a rank that is not its member.
+            Python scalars or ``to_cpu`` with ``sync=False``, ``group`` with XLA
+            leaves or on a rank that is not its member.
         xcoll.CollectiveMismatchError: the replicas' calls differ (as in
             :func:`gather`; ops included).
         xcoll.ConcurrentCallError: as in :func:`gather`.
@@ -159,7 +164,7 @@ def reduce(
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
     {'loss': tensor(0.5000), 'n': 4}
     """
-    return _call.call(_call.Reduce(op), tree, group, sync=sync, tag=tag)
+    return _call.call(_call.Reduce(op), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
 
 def broadcast(
@@ -167,6 +172,7 @@ def broadcast(
     *,
     src: int = 0,
     sync: bool = True,
+    to_cpu: bool = False,
     group: Any = None,
     tag: str | int | None = None,
 ) -> Any:
@@ -182,17 +188,19 @@ def broadcast(
             :func:`gather`, with the same shapes and dtypes on every replica.
         src: the rank, in ``group``, whose leaves every replica gets.
         sync: as in :func:`gather`.
+        to_cpu: as in :func:`gather`.
         group: as in :func:`gather`.
         tag: as in :func:`gather`.
 
     Returns:
         A tree of ``tree``'s structure with ``src``'s values (new tensors on
-        the leaves' device; Python scalars for Python scalar leaves).
+        the leaves' device, or on the CPU with ``to_cpu``; Python scalars for
+        Python scalar leaves).
 
     Raises:
         TypeError: an unsupported leaf (as in :func:`gather`), naming its path.
-        ValueError: ``src`` is not a rank in ``[0, W)``; Python scalars with
-            ``sync=False``; ``group`` with XLA leaves or on a rank that is not
+        ValueError: ``src`` is not a rank in ``[0, W)``; Python scalars or
+            ``to_cpu`` with ``sync=False``; ``group`` with XLA leaves or on a rank that is not
             its member.
         xcoll.CollectiveMismatchError: the replicas' calls differ (as in
             :func:`gather`; ``src`` included). On torch.distributed the
@@ -205,7 +213,7 @@ def broadcast(
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
     {'seed': 7, 'w': tensor([1., 1.])}
     """
-    return _call.call(_call.Broadcast(src), tree, group, sync=sync, tag=tag)
+    return _call.call(_call.Broadcast(src), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
 
 def rank(group: Any = None) -> int:
