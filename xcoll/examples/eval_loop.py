@@ -106,8 +106,9 @@ def evaluate(args: tuple[int, int, str]) -> dict[str, Any]:
             preds.append(out["pred"])
             index.append(out["index"])
 
+    # (read on the host: to_cpu fetches them with the call's one transfer)
     totals = xcoll.reduce(
-        {"loss_sum": loss_sum, "correct": correct, "count": count}, "sum", tag="totals"
+        {"loss_sum": loss_sum, "correct": correct, "count": count}, "sum", to_cpu=True, tag="totals"
     )
     ordered = xcoll.by_index({"pred": torch.cat(preds)}, torch.cat(index), length=n)
     return {
