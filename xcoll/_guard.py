@@ -140,7 +140,7 @@ def _width(dtype: torch.dtype, how: str, world: int) -> int:
 
 def _values(fingerprint: bytes, kind: str, dtype: torch.dtype, how: str, world: int) -> list[int]:
     """The header's values for ``fingerprint`` (see the module's docstring)."""
-    if kind == "gather" or how == "":  # its bytes, as two int32 wire words
+    if how == "":  # (a gather's, and a one-sided broadcast's) its bytes, as two int32 words
         return list(struct.unpack("<2i", fingerprint[: BITS // 8]))
     n = int.from_bytes(fingerprint[: BITS // 8], "little")
     if how == "prod":
