@@ -140,7 +140,23 @@ def test_a_reduce_header_has_one_size_per_width_and_is_small():
         (torch.float16, "prod"): 128,  # bits and complements
     }
     for (dtype, how), n in own.items():
-        assert len(_guard._values(_fingerprint(0), "reduce", dtype, how, 4)) == n, (dtype, how)
+        assert len(_guard._values(_fingerprint(0), dtype, how, 4)) == n, (dtype, how)
+
+
+_MANTISSA = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def test_a_sum_header_uses_the_most_bits_that_stay_exact():
+    """k, a sum header value's bits: the most for which W (2**k - 1)**2 is
+    exact in the dtype (at least 1), at every W up to 300."""
+    for dtype in _REDUCED:
+        if dtype == torch.bool:
+            continue
+        exact = 2 ** _MANTISSA[dtype] if dtype.is_floating_point else torch.iinfo(dtype).max
+        for world in range(1, 301):
+            k = _guard._width(dtype, "sum", world)
+            assert k == 1 or world * (2**k - 1) ** 2 <= exact, (dtype, world, k)
+            assert world * (2 ** (k + 1) - 1) ** 2 > exact, (dtype, world, k)
     assert _guard.size("gather", torch.int32, "", 4) == 2
     assert _guard.size("broadcast", torch.int32, "", 4) == 2
 

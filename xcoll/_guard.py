@@ -111,9 +111,9 @@ def size(kind: str, dtype: torch.dtype, how: str, world: int) -> int:
     collectives of one size, which the verdict names, instead of the
     engine's failure."""
     if kind != "reduce" or how == "prod":
-        return len(_values(_ZERO, kind, dtype, how, world))
+        return len(_values(_ZERO, dtype, how, world))
     alike = [d for d in _REDUCED if d.itemsize == dtype.itemsize]
-    return max(len(_values(_ZERO, kind, d, h, world)) for d in alike for h in _OPS)
+    return max(len(_values(_ZERO, d, h, world)) for d in alike for h in _OPS)
 
 
 _ZERO = bytes(BITS // 8)
@@ -138,7 +138,7 @@ def _width(dtype: torch.dtype, how: str, world: int) -> int:
     return k
 
 
-def _values(fingerprint: bytes, kind: str, dtype: torch.dtype, how: str, world: int) -> list[int]:
+def _values(fingerprint: bytes, dtype: torch.dtype, how: str, world: int) -> list[int]:
     """The header's values for ``fingerprint`` (see the module's docstring)."""
     if how == "":  # (a gather's, and a one-sided broadcast's) its bytes, as two int32 words
         return list(struct.unpack("<2i", fingerprint[: BITS // 8]))
@@ -176,14 +176,13 @@ def _build(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: i
     broadcast that sums, "" for one that arrives from ``src``), as the
     module's docstring says: a move's in its int32 wire words, a reduce's in
     its bucket's dtype."""
-    values = _values(fingerprint, kind, dtype, how, world)
+    values = _values(fingerprint, dtype, how, world)
     values += [0] * (size(kind, dtype, how, world) - len(values))  # (0 under every op)
     if kind == "reduce":
         part = torch.tensor(values, dtype=dtype)
         wire = _wire.encode_reduce(part.clone(), how, TORCH.bitcast)
-    else:
-        wire = torch.tensor(values, dtype=_wire.wire_dtype(dtype))
-        part = _wire.decode_move(wire, dtype, TORCH.bitcast)
+    else:  # (a move's header is of its int32 wire words)
+        part = wire = torch.tensor(values, dtype=torch.int32)
     # every replica's the same: what the collective gives
     if kind == "gather":
         wire = wire.expand(world, -1)
@@ -192,7 +191,7 @@ def _build(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: i
     if kind == "reduce":
         decoded = _wire.decode_reduce(wire.clone(), dtype, how, TORCH.bitcast)
     else:
-        decoded = _wire.decode_move(wire, dtype, TORCH.bitcast)
+        decoded = wire
     return Header(part, as_bytes(wire), as_bytes(decoded))
 
 
