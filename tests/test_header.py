@@ -18,21 +18,10 @@ from hypothesis import example, given, settings
 
 import xcoll
 from tests.replicas import shared_pool
-from xcoll import _guard, _wire
+from xcoll import _guard, _tree, _wire
 from xcoll._backends.base import TORCH
 
-_REDUCED = [
-    torch.float64,
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
+_REDUCED = sorted(_tree.SUPPORTED_DTYPES, key=str)  # every dtype a reduce takes
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
 
 

@@ -57,7 +57,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import _check, _exchange, _memo, _steps, _watchdog, _wire
+from . import _check, _exchange, _memo, _steps, _tree, _watchdog, _wire
 from ._backends.base import TORCH, EngineError, Transport
 
 BITS = 64
@@ -112,12 +112,11 @@ def size(kind: str, dtype: torch.dtype, how: str, world: int) -> int:
     engine's failure."""
     if kind != "reduce" or how == "prod":
         return len(_values(_ZERO, dtype, how, world))
-    alike = [d for d in _REDUCED if d.itemsize == dtype.itemsize]
+    alike = [d for d in _tree.SUPPORTED_DTYPES if d.itemsize == dtype.itemsize]
     return max(len(_values(_ZERO, d, h, world)) for d in alike for h in _OPS)
 
 
 _ZERO = bytes(BITS // 8)
-_REDUCED = (torch.float64, torch.float32, torch.float16, torch.bfloat16, *_wire.INTS)
 _OPS = ("sum", "max", "min")
 
 
