@@ -155,6 +155,9 @@ class Packed(Op):
 
     #: The recipe's kind: "gather", "reduce" or "broadcast".
     kind: str
+    #: A broadcast's source rank, a gather's stacking (fields of those ops).
+    src: int = 0
+    stack: bool = False
 
     def how(self, plan: Plan, transport: Transport) -> str:
         """How the collective combines the guard header (:func:`xcoll._guard.size`)."""
@@ -171,8 +174,7 @@ class Packed(Op):
         # (a large tensor travels alone on eager engines only: on XLA its
         # bytes are in the graph either way)
         alone = 0 if transport.lazy else _TUNING.get().alone
-        src = getattr(self, "src", 0)
-        return _recipe.recipe(plan, self.kind, w, guard, alone, src, getattr(self, "stack", False))
+        return _recipe.recipe(plan, self.kind, w, guard, alone, self.src, self.stack)
 
     def apply(self, flat, transport, plan, sync, to_cpu, signature):
         r = self.recipe(plan, transport, signature is not None)
@@ -430,7 +432,7 @@ def run(
     (guarded as ``signature``, the public call's, if given)."""
     out, agree = outcome(op, tree, transport, to_cpu=to_cpu, signature=signature)
     if not agree:
-        _guard.fire(transport, signature, getattr(op, "src", 0))
+        _guard.fire(transport, signature, op.src)
     return out
 
 
