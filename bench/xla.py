@@ -152,9 +152,9 @@ def pack_floor_gather(tree: dict) -> Call:
     output tensors. What is left of xcoll.gather(to_cpu=True) above this is
     the work per call that these skip."""
     from xcoll import _pack
-    from xcoll._backends.xla import XlaTransport
+    from xcoll._backends import xla
 
-    backend = XlaTransport(_device())
+    backend = xla.transport(_device())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for leaf in optree.tree_leaves(tree):
         by_dtype.setdefault(leaf.dtype, []).append(leaf)

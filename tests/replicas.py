@@ -86,9 +86,9 @@ def to_cpu(tree):
         if not isinstance(x, torch.Tensor):
             return x
         if x.device.type == "xla":
-            from xcoll._backends.xla import XlaTransport
+            from xcoll._backends import xla
 
-            return XlaTransport(x.device).to_host([x])[0].clone()
+            return xla.transport(x.device).to_host([x])[0].clone()
         return x.to("cpu", copy=True)
 
     return optree.tree_map(down, tree, none_is_leaf=False)

@@ -60,9 +60,9 @@ def current(group: Any = None) -> Transport:
     default process group's if initialised, else a world of one (where the
     environment does not say this process is one of several)."""
     if group is None and xla_runtime_running():
-        from .xla import XlaTransport
+        from . import xla
 
-        return XlaTransport(None)
+        return xla.transport()
     if _dist_running(group):
         from .dist import DistTransport
 
@@ -94,9 +94,9 @@ def resolve(flat: Flat, group: Any = None) -> Transport:
             raise ValueError(
                 "group= selects a torch.distributed process group; these leaves are on XLA"
             )
-        from .xla import XlaTransport
+        from . import xla
 
-        transport = XlaTransport(flat.devices[0])
+        transport = xla.transport(flat.devices[0])
     elif _dist_running(group):
         from .dist import DistTransport
 

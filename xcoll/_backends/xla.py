@@ -452,20 +452,20 @@ class XlaTransport(Transport):
     def __init__(self, device: torch.device | None):
         self.device = torch.device(device) if device is not None else torch_xla.device()
         _check_thread_pool(self.device)
+        # What a call asks of its replica and of the device, fixed for the
+        # process: its rank and world size, and the dtypes that the device
+        # keeps narrower (torch_xla reads those settings when it starts).
+        self._rank = xr.global_ordinal()
+        self._world = xr.world_size()
+        self._narrowed = _narrowed(self.device)
 
     def validate(self, flat) -> None:
-        narrowed = {}
-        for var, (dtypes, to) in _DOWNCASTS.items():
-            if os.environ.get(var, "0") not in ("", "0", "false", "False"):
-                narrowed.update({d: (var, to) for d in dtypes})
-        if xm.xla_device_hw(self.device) == "TPU":
-            narrowed.setdefault(torch.float64, ("the TPU", "float32"))
-        if not narrowed:
+        if not self._narrowed:
             return
         for i, leaf in enumerate(flat.leaves):
             dtype = _tree.dtype_of(leaf)
-            if dtype in narrowed:
-                why, to = narrowed[dtype]
+            if dtype in self._narrowed:
+                why, to = self._narrowed[dtype]
                 raise TypeError(
                     f"{flat.path(i)}: {dtype} is kept as {to} on this device ({why}), so its "
                     f"values would change in transit; convert the leaf yourself (e.g. to {to})"
@@ -505,10 +505,10 @@ class XlaTransport(Transport):
         return leaves
 
     def rank(self) -> int:
-        return xr.global_ordinal()
+        return self._rank
 
     def world_size(self) -> int:
-        return xr.world_size()
+        return self._world
 
     # The token is reset before each collective, which isolates it from NaN in
     # the results of earlier ones (the caller's, when sync=False, or this
@@ -517,7 +517,7 @@ class XlaTransport(Transport):
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         _xlac.reset_token(self.device)
-        return _xlac.all_gather(buf, xr.world_size())
+        return _xlac.all_gather(buf, self._world)
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
         _xlac.reset_token(self.device)
@@ -582,3 +582,29 @@ class XlaTransport(Transport):
             _xlac.sync_only([out])
         _xlac.wait_device(self.device)
         return self.to_host([out])[0].view(self.world_size(), -1)
+
+
+def _narrowed(device: torch.device) -> dict[torch.dtype, tuple[str, str]]:
+    """The dtypes that ``device`` keeps in a narrower one: dtype -> (why, as what)."""
+    out = {}
+    for var, (dtypes, to) in _DOWNCASTS.items():
+        if os.environ.get(var, "0") not in ("", "0", "false", "False"):
+            out.update({d: (var, to) for d in dtypes})
+    if xm.xla_device_hw(device) == "TPU":
+        out.setdefault(torch.float64, ("the TPU", "float32"))
+    return out
+
+
+# One transport per device: in thread-per-device mode each replica thread has
+# its own device, so what a transport caches (rank, world size) is its replica's.
+_transports: dict[str, XlaTransport] = {}
+
+
+def transport(device: torch.device | None = None) -> XlaTransport:
+    """The transport of ``device`` (default: this thread's XLA device), made on
+    its first call."""
+    key = str(device if device is not None else torch_xla.device())
+    t = _transports.get(key)
+    if t is None:
+        t = _transports[key] = XlaTransport(torch.device(key))
+    return t
