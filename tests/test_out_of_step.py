@@ -82,6 +82,36 @@ def test_calls_with_different_tags_raise_naming_both(world):
         assert "tag='eval'" in text and "tag='train'" in text, text
 
 
+def _untagged_against_tagged(what: str):
+    """Rank 0's call is untagged (and, with ``what="error"``, has a leaf that
+    is not a tensor: checked in full, as a group's first call is, so that
+    every replica learns of it), the others' are tagged "train"."""
+    rank = xcoll.rank()
+    x = torch.ones(2).to(device())
+    tree = {"x": x, "bad": "not a tensor"} if what == "error" and rank == 0 else {"x": x}
+    try:
+        with xcoll.consistency_checks("always" if what == "error" else "guard"):
+            xcoll.gather(tree, tag=None if rank == 0 else "train")
+    except (xcoll.CollectiveMismatchError, TypeError) as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_an_untagged_call_is_named_as_such_and_a_local_error_before_the_tags(world):
+    pool = shared_pool(world)
+    w = pool.world_size
+    for rank, (kind, text) in enumerate(pool.run(_untagged_against_tagged, ["tags"] * w)):
+        assert kind == "CollectiveMismatchError", (rank, kind, text)
+        assert "tag: (none)" in text and "tag: tag='train'" in text, text
+    # the local error is what the other replicas are told, not that the tags differ
+    results = pool.run(_untagged_against_tagged, ["error"] * w)
+    assert results[0][0] == "TypeError" and "tree['bad']" in results[0][1], results[0]
+    for kind, text in results[1:]:
+        assert kind == "CollectiveMismatchError", (kind, text)
+        assert "rank 0 raised before communicating (TypeError: tree['bad']" in text, text
+
+
 def _bad_tag(_):
     try:
         xcoll.reduce(torch.ones(1).to(device()), tag=1.5)

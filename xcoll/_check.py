@@ -159,7 +159,8 @@ def verify(
     head: str,
     body: Description | None = None,
     error: Exception | None = None,
-    tag: str = "",
+    *,
+    tag: str,
 ) -> None:
     """Compares this replica's call (``name``, its step ``tag``, ``head``: its
     parameters, ``body``: its tree, or the local ``error`` that stopped it)

@@ -329,7 +329,7 @@ class entered:
             # integers could wrap: every call is then checked in full too)
             full = self.unread or t.world_size() > EXACT_SUMS
             if _check.due(t, mode) or (full and mode != "never"):
-                _check.verify(t, self.name, self.head, self.description, error, tag)
+                _check.verify(t, self.name, self.head, self.description, error, tag=tag)
             if error is not None:
                 raise error
         except BaseException as e:
