@@ -12,6 +12,15 @@ from tests.replicas import device, shared_pool
 MISMATCH = "xcoll.CollectiveMismatchError"
 
 
+class _Odd:
+    """A leaf type whose name holds a lone surrogate: the name reaches the
+    description lines as it is, in the error's text (paths and structures
+    are reprs, which escape it)."""
+
+
+_Odd.__qualname__ = "Odd\ud800"
+
+
 def case(name: str, rank: int, last: bool, dev):
     t = torch.ones(2, 3).to(dev)
     if name == "dict keys":
@@ -34,6 +43,8 @@ def case(name: str, rank: int, last: bool, dev):
         return "gather", {"x": torch.ones(0 if last else 2, 3).to(dev)}, {}
     if name == "non-tensor leaf":
         return "gather", {"x": t, "y": "oops" if last else t}, {}
+    if name == "lone surrogate":
+        return "gather", {"x": t, "y": _Odd() if last else t}, {}
     if name == "mixed devices":
         return "gather", {"x": t, "y": torch.ones(1, device="meta") if last else t}, {}
     raise AssertionError(name)
@@ -52,6 +63,7 @@ EXPECTED = {
     "empty on one replica": (MISMATCH, MISMATCH, "shape (0, 3)"),
     "non-tensor leaf": ("builtins.TypeError", MISMATCH, "tree['y']"),
     "mixed devices": ("builtins.TypeError", MISMATCH, "tree['y']"),
+    "lone surrogate": ("builtins.TypeError", MISMATCH, "type Odd\ud800"),
 }
 
 
