@@ -56,6 +56,34 @@ def ideal_gather(tree: dict) -> Call:
     return lambda: dist.all_gather_into_tensor(out, buf)
 
 
+def plain_gather(tree: dict) -> Call:
+    import torch.distributed as dist
+
+    leaves = optree.tree_leaves(tree)
+    w = dist.get_world_size()
+    outs = [torch.empty(w * t.numel(), dtype=t.dtype) for t in leaves]
+
+    def call():
+        for out, t in zip(outs, leaves, strict=True):
+            dist.all_gather_into_tensor(out, t.reshape(-1))
+        return outs
+
+    return call
+
+
+def plain_reduce(tree: dict) -> Call:
+    import torch.distributed as dist
+
+    leaves = optree.tree_leaves(tree)  # reduced in place, as a plain call does
+
+    def call():
+        for t in leaves:
+            dist.all_reduce(t)
+        return leaves
+
+    return call
+
+
 #: op -> method name -> prepare; xcoll's method first.
 METHODS: dict[str, dict[str, Callable[[dict], Call]]] = {
     "gather": {
@@ -75,6 +103,19 @@ METHODS: dict[str, dict[str, Callable[[dict], Call]]] = {
         "xcoll.gather(uneven=True)": ours.gather_uneven,
         "torchmetrics gather_all_tensors per leaf + torch.cat": torchmetrics_uneven,
     },
+    # small calls (bench.trees.SMALL), against the plain engine call
+    "small gather": {
+        "xcoll.gather": ours.gather,
+        "plain: dist.all_gather_into_tensor per leaf": plain_gather,
+    },
+    "small reduce": {
+        "xcoll.reduce": ours.reduce,
+        "plain: dist.all_reduce per leaf": plain_reduce,
+    },
+    "metrics reduce": {
+        "xcoll.reduce": ours.reduce,
+        "plain: dist.all_reduce per leaf": plain_reduce,
+    },
 }
 
 
@@ -90,9 +131,9 @@ def collectives(call: Call) -> int:
     )
 
 
-def tree_for(n: int, uneven: bool) -> dict:
+def tree_for(n: int, uneven: bool, op: str = "") -> dict:
     import torch.distributed as dist
 
-    from .trees import make
+    from .trees import SMALL, make, small
 
-    return make(n, dist.get_rank(), uneven=uneven)
+    return small(op, dist.get_rank()) if op in SMALL else make(n, dist.get_rank(), uneven=uneven)

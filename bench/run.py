@@ -47,14 +47,14 @@ def _xla_cell(args: tuple[str, str, int, int]) -> tuple[list[float], dict]:
     from bench import xla
 
     op, method, n, repeats = args
-    return _time(xla.METHODS[op][method](xla.tree_for(n)), repeats), {}
+    return _time(xla.METHODS[op][method](xla.tree_for(n, op)), repeats), {}
 
 
 def _gloo_cell(args: tuple[str, str, int, int]) -> tuple[list[float], dict]:
     from bench import gloo
 
     op, method, n, repeats = args
-    call = gloo.METHODS[op][method](gloo.tree_for(n, uneven=op.startswith("uneven")))
+    call = gloo.METHODS[op][method](gloo.tree_for(n, op.startswith("uneven"), op))
     return _time(call, repeats), {"collectives": gloo.collectives(call)}
 
 
@@ -94,9 +94,11 @@ def _cells(runner: Runner, pool, backend: str, methods: dict, cell, log, counter
     """Every (op, leaves, method) cell of ``methods`` on ``pool``. ``cell`` returns
     the times and any counts it takes itself; ``counters`` (process-wide, read
     before and after) give per-call counts per replica."""
+    from bench.trees import SMALL
+
     out = []
     for op, by_name in methods.items():
-        for n in runner.leaves:
+        for n in [SMALL[op]] if op in SMALL else runner.leaves:
             for method in by_name:
                 (warm, _), repeats, (times, counts), c0, c1 = runner.measure(
                     pool, cell, (op, method, n), counters

@@ -26,3 +26,20 @@ def make(n: int, rank: int, device: torch.device | str = "cpu", uneven: bool = F
 
 def nbytes(tree: dict) -> int:
     return sum(t.numel() * t.element_size() for group in tree.values() for t in group.values())
+
+
+#: Small calls, the ones users make most: op -> its tree's number of leaves.
+SMALL = {"small gather": 1, "small reduce": 1, "metrics reduce": 3}
+
+
+def small(op: str, rank: int, device: torch.device | str = "cpu") -> dict:
+    """The tree of a small call: one leaf of 8 float32 (``"small gather"``,
+    ``"small reduce"``), or an eval loop's metrics, three 0-d leaves
+    (``"metrics reduce"``: loss, correct, count), different on every rank."""
+    if op == "metrics reduce":
+        return {
+            "loss": torch.tensor(0.25 * rank + 1.5).to(device),
+            "correct": torch.tensor(3 + rank).to(device),
+            "count": torch.tensor(8).to(device),
+        }
+    return {"x": (torch.arange(8, dtype=torch.float32) + rank).to(device)}

@@ -33,6 +33,12 @@ def reduce(tree: dict) -> Call:
     return lambda: xcoll.reduce(tree, "sum")
 
 
+def reduce_to_cpu(tree: dict) -> Call:
+    import xcoll
+
+    return lambda: xcoll.reduce(tree, "sum", to_cpu=True)
+
+
 def broadcast(tree: dict) -> Call:
     import xcoll
 

@@ -31,6 +31,7 @@ import optree
 import torch
 
 from . import xcoll_calls as ours
+from .trees import SMALL
 from .xcoll_calls import Call
 
 
@@ -170,6 +171,35 @@ def pack_floor_gather(tree: dict) -> Call:
     return call
 
 
+# ---- (p) the plain engine call: one per leaf, one sync, one fetch ------------------
+
+
+def plain_gather(tree: dict) -> Call:
+    import torch_xla.core.xla_model as xm
+
+    leaves = [t.reshape(1) if t.ndim == 0 else t for t in optree.tree_leaves(tree)]
+
+    def call():
+        outs = [xm.all_gather(t, pin_layout=False) for t in leaves]
+        _sync()
+        return _fetch(outs)
+
+    return call
+
+
+def plain_reduce(tree: dict) -> Call:
+    import torch_xla.core.xla_model as xm
+
+    leaves = optree.tree_leaves(tree)
+
+    def call():
+        outs = [xm.all_reduce(xm.REDUCE_SUM, t, pin_layout=False) for t in leaves]
+        _sync()
+        return _fetch(outs)
+
+    return call
+
+
 # ---- (d) the ideal: one collective of one pre-packed buffer -----------------------
 
 
@@ -220,14 +250,29 @@ METHODS: dict[str, dict[str, Callable[[dict], Call]]] = {
         "(c) accelerate XLA broadcast algorithm: mesh_reduce per leaf, pin_layout=False, raw bytes": mesh_reduce_broadcast,
         "(d) ideal: one all_reduce of a pre-packed buffer": ideal_reduce,
     },
+    # small calls (bench.trees.SMALL), against the plain engine call
+    "small gather": {
+        "xcoll.gather(to_cpu=True)": ours.gather_to_cpu,
+        "(p) plain: xm.all_gather per leaf, pin_layout=False, one sync, one fetch": plain_gather,
+    },
+    "small reduce": {
+        "xcoll.reduce(to_cpu=True)": ours.reduce_to_cpu,
+        "(p) plain: xm.all_reduce per leaf, pin_layout=False, one sync, one fetch": plain_reduce,
+    },
+    "metrics reduce": {
+        "xcoll.reduce(to_cpu=True)": ours.reduce_to_cpu,
+        "(p) plain: xm.all_reduce per leaf, pin_layout=False, one sync, one fetch": plain_reduce,
+    },
 }
 
 
-#: What runs on one replica alone: xcoll's gather to the host, the ideal and the floor.
+#: What runs on one replica alone: xcoll's gather to the host, the ideal and the
+#: floor; the small calls.
 ALONE = {
     "gather": {
         k: v for k, v in METHODS["gather"].items() if k.startswith(("xcoll.gather(to_cpu", "(d)", "(e)"))
-    }
+    },
+    **{op: METHODS[op] for op in SMALL},
 }
 
 
@@ -258,9 +303,9 @@ def counters() -> dict[str, int]:
     }
 
 
-def tree_for(n: int) -> dict:
+def tree_for(n: int, op: str = "") -> dict:
     import xcoll
 
-    from .trees import make
+    from .trees import make, small
 
-    return make(n, xcoll.rank(), _device())
+    return small(op, xcoll.rank(), _device()) if op in SMALL else make(n, xcoll.rank(), _device())

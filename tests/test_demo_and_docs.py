@@ -67,6 +67,7 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     cells = {(c["backend"], c["op"], c["method"], c["leaves"]): c for c in results["cells"]}
 
     from bench import gloo, memory, xla
+    from bench.trees import SMALL
 
     expected = {
         (backend, op, method, n)
@@ -77,13 +78,14 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
         )
         for op in methods
         for method in methods[op]
-        for n in (1, 8, 64)
+        for n in ([SMALL[op]] if op in SMALL else (1, 8, 64))
     }
     assert set(cells) == expected
     for c in cells.values():
         assert math.isfinite(c["median_ms"]) and c["median_ms"] > 0
         assert math.isfinite(c["first_ms"]) and c["first_ms"] > 0
-        assert c["collectives"] > 0
+        # (xm.all_reduce in a world of one is a clone, for xcoll as for the plain call)
+        assert c["collectives"] > 0 or (c["backend"], c["op"][-6:]) == ("XLA:CPU W=1", "reduce")
         if c["backend"].startswith("XLA"):
             assert c["executions"] >= 1 and c["compiles"] == 0  # warm: nothing recompiles
 
@@ -109,6 +111,17 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     assert count(x, "gather", "xcoll.gather (device outputs)", 64, "transfers") == 1
     assert count(x, "gather", next(m for m in xla.METHODS["gather"] if m.startswith("(a)")), 64) == 64
     assert count(x, "reduce", next(m for m in xla.METHODS["reduce"] if m.startswith("(b)")), 64, "executions") == 128
+    # small calls: one collective per dtype (the metrics: float32, int64) against
+    # one per leaf, one execution either way
+    for op, ours, plain in [("small gather", 1, 1), ("small reduce", 1, 1), ("metrics reduce", 2, 3)]:
+        for backend in (x, "XLA:CPU W=1"):
+            mine, theirs = (m for m in xla.METHODS[op])
+            alone = backend.endswith("W=1") and op.endswith("reduce")
+            assert count(backend, op, mine, SMALL[op]) == (0 if alone else ours), (backend, op)
+            assert count(backend, op, theirs, SMALL[op]) == (0 if alone else plain), (backend, op)
+            assert count(backend, op, mine, SMALL[op], "executions") == 1, (backend, op)
+        mine, theirs = (m for m in gloo.METHODS[op])
+        assert count(g, op, mine, SMALL[op]) == ours and count(g, op, theirs, SMALL[op]) == plain
     assert count(g, "gather", "xcoll.gather", 64) == 1
     assert count(g, "gather", "accelerate.utils.gather", 64) == 64
     assert count(g, "uneven gather", "xcoll.gather(uneven=True)", 64) == 2  # shapes, then data
@@ -121,6 +134,9 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     for backend, op in {(b, o) for b, o, _, _ in expected}:
         assert f"## {backend}: {op}" in report
     assert "peak memory for one float32 leaf of 64 MiB" in report
+    # the small-call targets: each backend's three, with a ratio each
+    small = report.split("## Targets for small calls", 1)[1].split("\n## ", 1)[0]
+    assert len([line for line in small.splitlines() if line.startswith("| ") and "x (" in line]) == 9
     png = (tmp_path / "results.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
