@@ -76,6 +76,8 @@ OWNERS: dict[str, list[str]] = {
     "tests/test_header.py": ["xcoll._guard.*"],
     "tests/test_mismatch.py": ["xcoll._guard.*", "xcoll._check.*"],
     "tests/test_out_of_step.py": ["xcoll._guard.*", "xcoll._check.*"],
+    # (which calls are checked in full: "never" ones are not counted)
+    "tests/test_check_state.py": ["xcoll._check.x_due*"],
     # (an uneven leaf's growing dim, "*" in its description line)
     "tests/test_uneven.py": ["xcoll._check.x_describe*"],
     "tests/test_wire.py": ["xcoll._wire.x__nan_bits"],  # (xcoll._wire.WINNING_NAN)

@@ -21,6 +21,10 @@ class _Odd:
 _Odd.__qualname__ = "Odd\ud800"
 
 
+def _key():
+    """A dict key whose repr holds its address, which the messages leave out."""
+
+
 def case(name: str, rank: int, last: bool, dev):
     t = torch.ones(2, 3).to(dev)
     if name == "dict keys":
@@ -43,6 +47,8 @@ def case(name: str, rank: int, last: bool, dev):
         return "gather", {"x": torch.ones(0 if last else 2, 3).to(dev)}, {}
     if name == "non-tensor leaf":
         return "gather", {"x": t, "y": "oops" if last else t}, {}
+    if name == "object key":
+        return "gather", {_key: torch.ones(2, 4 if last else 3).to(dev)}, {}
     if name == "lone surrogate":
         return "gather", {"x": t, "y": _Odd() if last else t}, {}
     if name == "mixed devices":
@@ -64,6 +70,7 @@ EXPECTED = {
     "non-tensor leaf": ("builtins.TypeError", MISMATCH, "tree['y']"),
     "mixed devices": ("builtins.TypeError", MISMATCH, "tree['y']"),
     "lone surrogate": ("builtins.TypeError", MISMATCH, "type Odd\ud800"),
+    "object key": (MISMATCH, MISMATCH, "has tree[<function _key>]: float32 tensor of shape (2, "),
 }
 
 
@@ -97,6 +104,12 @@ def test_every_replica_raises_and_the_pool_goes_on(world, name):
         if f.type_name == MISMATCH and odd == MISMATCH:  # names both replicas' calls
             assert f"this replica (rank {r}) has" in f.message, (r, f.message)
             assert f"; rank {other} has" in f.message, (r, f.message)
+            if name == "shape":  # each replica's line as described, nothing added
+                mine, theirs = ("(2, 4)", "(2, 3)") if r == w - 1 else ("(2, 3)", "(2, 4)")
+                assert (
+                    f"has tree['x']: float32 tensor of shape {mine}; rank {other} has "
+                    f"tree['x']: float32 tensor of shape {theirs}"
+                ) in f.message, (r, f.message)
         elif f.type_name == MISMATCH:  # quotes the odd replica's own error
             assert f": rank {other} raised before communicating ({odd.split('.')[-1]}: " in (
                 f.message
@@ -128,6 +141,14 @@ def test_modes():
     with pytest.raises(ValueError, match="mode must be one of"):
         with xcoll.consistency_checks("sometimes"):
             pass
+
+
+def test_the_mode_is_read_from_xcoll_check_unless_a_block_sets_it(monkeypatch):
+    monkeypatch.setenv("XCOLL_CHECK", "sometimes")
+    with pytest.raises(ValueError, match="^XCOLL_CHECK must be one of .*, got 'sometimes'$"):
+        xcoll.gather(torch.ones(1))
+    with xcoll.consistency_checks("never"):
+        assert xcoll.gather(torch.ones(1)).tolist() == [1.0]
 
 
 def _layouts(_):
