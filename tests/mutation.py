@@ -6,6 +6,8 @@ below, each run against its own fast tests at CI's examples.
     CI=1 python -m tests.mutation xcoll/_wire.py  # one module
     CI=1 python -m tests.mutation --survivors     # again, only what survived last time
     CI=1 python -m tests.mutation --resume        # only what was not run (an interrupted pass)
+    CI=1 python -m tests.mutation xcoll/_backends/xla.py --sample 100 --seed 25
+                                                  # a random sample of each module's mutants
 
 mutmut (configured in pyproject.toml, ``[tool.mutmut]``) copies the tree into
 ``mutants/``, rewrites each function of the mutated modules so that the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -128,7 +131,19 @@ def _selected(module: str, names) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatch(n, p) for p in MODULES[module])]
 
 
+def _option(argv: list[str], name: str, default: int | None) -> int | None:
+    """The int after ``name`` in ``argv`` (removed from it with its value)."""
+    if name not in argv:
+        return default
+    k = argv.index(name)
+    value = int(argv[k + 1])
+    del argv[k : k + 2]
+    return value
+
+
 def main(argv: list[str]) -> int:
+    argv = list(argv)
+    sample, seed = _option(argv, "--sample", None), _option(argv, "--seed", 0)
     survivors, resume = "--survivors" in argv, "--resume" in argv
     modules = [a for a in argv if not a.startswith("--")] or list(MODULES)
     unknown = [m for m in modules if m not in MODULES]
@@ -144,6 +159,16 @@ def main(argv: list[str]) -> int:
         if not names:
             print("nothing to run")
             return 0
+    elif sample is not None:
+        if not all(_results()[m] for m in modules):
+            # mutmut generates the mutants (and records which tests call what)
+            # on its first run: one whose pattern matches no mutant runs none
+            subprocess.run([sys.executable, "-m", "mutmut", "run", "xcoll.__none__"], check=False)
+        before, rng = _results(), random.Random(seed)
+        names = []
+        for m in modules:
+            mine = sorted(_selected(m, before[m]))
+            names += rng.sample(mine, min(sample, len(mine)))
     else:
         names = [p for m in modules for p in MODULES[m]]
     # (mutmut's own exit status says nothing of the kill rate)
