@@ -86,6 +86,7 @@ def _expect_every_rank_raises(pool, fn, args, text=None):
         for r, f in enumerate(failures):
             assert text in f.message, (r, f.message)
     assert pool.run(_ok, [None] * w) == [list(range(w))] * w
+    return failures
 
 
 def _cases(world):
@@ -104,8 +105,10 @@ def _cases(world):
 )
 def test_a_later_mismatch_raises_on_every_replica(world, name):
     pool = shared_pool(world)
-    # every replica's error names the first difference and both ranks
-    _expect_every_rank_raises(pool, _later, [name] * pool.world_size, "first difference")
+    # every replica's error names the call, the first difference and both ranks
+    failures = _expect_every_rank_raises(pool, _later, [name] * pool.world_size, "first difference")
+    fn = later_case(name, False, "cpu")[0]
+    assert all(f.message.startswith(f"xcoll.{fn}: ") for f in failures), failures
 
 
 # ---- a verdict on every bit of the header -----------------------------------

@@ -112,6 +112,33 @@ def test_an_untagged_call_is_named_as_such_and_a_local_error_before_the_tags(wor
         assert "rank 0 raised before communicating (TypeError: tree['bad']" in text, text
 
 
+def _barrier_in_mixed_modes(r):
+    """After a first call checked in full, rank 0 enters a barrier in mode
+    "never", rank 1 in the default mode."""
+    xcoll.barrier("first")
+    try:
+        with xcoll.consistency_checks("never" if r == 0 else "guard"):
+            xcoll.barrier("epoch")
+    except (xcoll.CollectiveMismatchError, RuntimeError) as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def test_a_replica_in_mode_never_among_checked_ones_is_told_so():
+    """The mode itself differs, so the barriers' digests do while their tags
+    agree: the replica in mode "never" says so at once; the other, whose
+    attempt to name the difference meets no peer, says that too when gloo
+    gives up (a fresh pool with a short timeout)."""
+    from xcoll.testing import GlooPool
+
+    with GlooPool(2, timeout=120, collective_timeout=5) as pool:
+        (k0, m0), (k1, m1) = pool.run(_barrier_in_mixed_modes, [0, 1])
+    assert k0 == "CollectiveMismatchError", (k0, m0)
+    assert m0.startswith("rank 0: the replicas' calls differ, or their XCOLL_CHECK modes do")
+    assert "this replica's is \"never\"; every replica must use the same mode" in m0, m0
+    assert k1 == "CollectiveMismatchError" and "naming the difference failed" in m1, (k1, m1)
+
+
 def _bad_tag(_):
     try:
         xcoll.reduce(torch.ones(1).to(device()), tag=1.5)
