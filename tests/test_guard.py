@@ -217,11 +217,19 @@ def test_a_header_that_differs_in_any_one_bit_is_a_clean_error_on_every_replica(
                 # it raises where src's or its own bit is the flipped one
                 flipped = bit % w
                 raises = r != 0 and flipped in (0, r)
-                mine = f"this replica's call (rank {r}: tag: "
+                dtype = str(VERDICTS[-1][2]).removeprefix("torch.")
+                mine = (
+                    f"this replica's call (rank {r}: tag: (none); parameters: src=0 "
+                    f"to_cpu=False sync=True; 1 leaf: tree['x']: {dtype} tensor of shape (6); "
+                    "structure: PyTreeSpec({'x': *})) differs"
+                )
                 expected = mine if raises else "returned"
                 assert not raises or "differs from the call of src, rank 0" in outcome, outcome
             else:
-                expected = "the replicas' descriptions agree"
+                expected = (
+                    "the replicas' descriptions agree: their XCOLL_CHECK modes differ, a call "
+                    "overlapped another on this process group, or a header changed in transit"
+                )
             assert expected in outcome, (r, name, bit, outcome)
     assert pool.run(_ok, [None] * w) == [list(range(w))] * w
 

@@ -362,6 +362,10 @@ def test_every_wait_for_a_missing_replica_is_diagnosed(world, what):
         )
         assert f"xcoll: {name} on rank {rank} of the group" in printed, (rank, printed)
         assert "has waited 1 s for the other replicas" in printed, printed
+        # the call in a line: its tree's leaves, or none (objects and RNG states travel as bytes)
+        no_tree = ("barrier", "gather_object", "broadcast_object", "sync_rng_state")
+        leaves = "no leaves" if what in no_tree else " leaf: "
+        assert leaves in printed, (rank, printed)
 
 
 def _xla_first_call_skipped(_):

@@ -244,10 +244,13 @@ def fire(
 
 def _summary(s: Signature) -> str:
     """The call in a line: its tag, parameters and first leaves."""
-    lines = s.description.lines
+    lines = s.description.lines  # (each leaf's, then the structure's)
+    n = len(lines) - 1
     leaves = (
-        f"{len(lines) - 1} leaves: " + "; ".join(lines[:3]) + ("; ..." if len(lines) > 4 else "")
-        if len(lines) > 1
+        f"{n} {'leaf' if n == 1 else 'leaves'}: "
+        + "; ".join(lines[:3])
+        + ("; ..." if len(lines) > 4 else "")
+        if n > 0
         else "no leaves"
     )
     return f"tag: {s.tag or '(none)'}; parameters: {s.head or '(none)'}; {leaves}"
