@@ -111,6 +111,29 @@ def test_a_later_mismatch_raises_on_every_replica(world, name):
     assert all(f.message.startswith(f"xcoll.{fn}: ") for f in failures), failures
 
 
+def test_a_calls_summary_names_its_parameters_and_first_lines():
+    """The line that messages and the watchdog give a call: its tag and
+    parameters, its number of leaves, its description's first three lines."""
+    from xcoll import _check, _guard
+
+    def summary(n: int, tag: str = "") -> str:
+        lines = [f"tree[{i}]: float32 tensor of shape (2)" for i in range(n)]
+        lines += ["structure: PyTreeSpec([*])"] if n else []
+        signature = _guard.Signature("xcoll.gather", "dim=0", _check.Description(tuple(lines)), tag)
+        return _guard._summary(signature)
+
+    head = "tag: (none); parameters: dim=0; "
+    assert summary(0) == head + "no leaves"
+    assert summary(1) == head + "1 leaf: tree[0]: float32 tensor of shape (2); structure: PyTreeSpec([*])"
+    leaf = "float32 tensor of shape (2)"
+    assert summary(2) == head + f"2 leaves: tree[0]: {leaf}; tree[1]: {leaf}; structure: PyTreeSpec([*])"
+    assert summary(3) == head + f"3 leaves: tree[0]: {leaf}; tree[1]: {leaf}; tree[2]: {leaf}; ..."
+    assert summary(5, "step 2, call 0") == (
+        f"tag: step 2, call 0; parameters: dim=0; 5 leaves: tree[0]: {leaf}; tree[1]: {leaf}; "
+        f"tree[2]: {leaf}; ..."
+    )
+
+
 # ---- a verdict on every bit of the header -----------------------------------
 
 # The fingerprint bit this thread's calls flip (None: none), while

@@ -243,13 +243,14 @@ def fire(
 
 
 def _summary(s: Signature) -> str:
-    """The call in a line: its tag, parameters and first leaves."""
+    """The call in a line: its tag, parameters and its description's first
+    three lines ("..." where there are more)."""
     lines = s.description.lines  # (each leaf's, then the structure's)
     n = len(lines) - 1
     leaves = (
         f"{n} {'leaf' if n == 1 else 'leaves'}: "
         + "; ".join(lines[:3])
-        + ("; ..." if len(lines) > 4 else "")
+        + ("; ..." if len(lines) > 3 else "")
         if n > 0
         else "no leaves"
     )
