@@ -123,7 +123,9 @@ def test_a_calls_summary_names_its_parameters_and_first_lines():
         return _guard._summary(signature)
 
     head = "tag: (none); parameters: dim=0; "
-    assert summary(0) == head + "no leaves"
+    assert summary(0) == head + "no leaves"  # (objects: no description)
+    empty = _check.Description(("structure: PyTreeSpec({})",))  # an empty tree
+    assert _guard._summary(_guard.Signature("xcoll.gather", "dim=0", empty)) == head + "no leaves"
     assert summary(1) == head + "1 leaf: tree[0]: float32 tensor of shape (2); structure: PyTreeSpec([*])"
     leaf = "float32 tensor of shape (2)"
     assert summary(2) == head + f"2 leaves: tree[0]: {leaf}; tree[1]: {leaf}; structure: PyTreeSpec([*])"
