@@ -82,6 +82,10 @@ def _both(case):
         ]
         pieces = kernels.split(flats, [[(world, *s) for s in b] for b in shapes], casts)
         got["split"] = [[_as_int(kernels, t) for t in b] for b in pieces]
+        # the buckets that merged nothing, without casts (the default)
+        plain_shapes = [[(world, *s) for s in shapes[k]] for k in pure]
+        plain = kernels.split([flats[k] for k in pure], plain_shapes)
+        got["split, no casts"] = [[_as_int(kernels, t) for t in b] for b in plain]
         # a move's one buffer: a header segment (if any), then the buckets by element size
         joined = _pack.Joined.of([dtypes[k] for k in pure], [shapes[k] for k in pure], guard)
         head = [[_random_bits(torch.int32, (guard,), seed + 5)]] if guard else []
