@@ -84,3 +84,30 @@ def test_a_call_in_mode_never_leaves_the_first_check_to_come():
     # a "never" call checks nothing: the group's first checked call is the next one
     with GlooPool(2, timeout=120, collective_timeout=30) as pool:
         assert pool.run(_checked_calls, [None, None]) == [[0, 1, 0]] * 2
+
+
+def _later_object_calls_checked(_):
+    """The full checks made by object, barrier and RNG calls after a group's
+    first call (checked in full)."""
+    from xcoll import _check
+
+    made = []
+    verify = _check.verify
+    _check.verify = lambda *a, **k: (made.append(1), verify(*a, **k))[1]
+    try:
+        xcoll.barrier("first")
+        before = len(made)
+        assert xcoll.gather_object(xcoll.rank()) == [0, 1]
+        assert xcoll.broadcast_object("a") == "a"
+        xcoll.barrier("then")
+        xcoll.sync_rng_state()
+        return before, len(made) - before
+    finally:
+        _check.verify = verify
+
+
+def test_later_object_calls_are_guarded_not_checked_in_full():
+    # their fingerprint travels with their own exchanges: no extra one
+    with GlooPool(2, timeout=120, collective_timeout=30) as pool:
+        assert pool.run(_later_object_calls_checked, [None, None]) == [(1, 0)] * 2
+

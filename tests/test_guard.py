@@ -136,6 +136,23 @@ def test_a_calls_summary_names_its_parameters_and_first_lines():
     )
 
 
+def test_the_watchdogs_diagnosis_names_the_call_and_what_to_do():
+    from xcoll import _check, _guard
+
+    lines = ("tree['x']: float32 tensor of shape (2)", "structure: PyTreeSpec({'x': *})")
+    description = _check.Description(lines)
+    signature = _guard.Signature("xcoll.reduce", "op=sum", description, "step 3, call 0")
+    assert _guard.diagnosis("rank 1", signature, 5.2) == (
+        "xcoll: xcoll.reduce on rank 1 has waited 5 s for the other replicas. A replica that "
+        "skipped this call (its code raised before it), is still in an earlier one or made a "
+        "different call leaves the others waiting: the engine then times out or aborts the "
+        "process. This replica's call: tag: step 3, call 0; parameters: op=sum; 1 leaf: "
+        "tree['x']: float32 tensor of shape (2); structure: PyTreeSpec({'x': *}); description "
+        f"{description.digest.hex()[:16]}. Tag the calls (tag=, xcoll.step) to name a skipped "
+        "one; XCOLL_CHECK=always names a differing one."
+    )
+
+
 # ---- a verdict on every bit of the header -----------------------------------
 
 # The fingerprint bit this thread's calls flip (None: none), while
