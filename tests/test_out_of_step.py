@@ -227,6 +227,13 @@ def test_after_an_overlap_no_replica_returns_another_calls_data(world):
     for label in ("first", "second", "after"):
         assert zero[label][0] == "xcoll.ConcurrentCallError", results[0]
     assert "unusable" in zero["after"][1], results[0]
+    # (the messages say which: the call that overlapped, the one it overlapped)
+    assert "while another thread has a call in flight on the same process group" in (
+        zero["second"][1]
+    ), results[0]
+    assert "another thread called xcoll on the same process group while this call" in (
+        zero["first"][1]
+    ), results[0]
     for rank, outcomes in enumerate(results[1:], 1):
         got = dict((label, (kind, v)) for label, kind, v in outcomes)
         # the call paired with rank 0's first thread completed; no later call
@@ -360,6 +367,7 @@ def test_every_wait_for_a_missing_replica_is_diagnosed(world, what):
             rank,
             outcome,
         )
+        assert "(a replica that never arrived, or that the engine stopped. " in outcome, outcome
         assert f"xcoll: {name} on rank {rank} of the group" in printed, (rank, printed)
         assert "has waited 1 s for the other replicas" in printed, printed
         # the call in a line: its tree's leaves, or none (objects and RNG states travel as bytes)
