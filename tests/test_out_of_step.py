@@ -228,6 +228,9 @@ def test_after_an_overlap_no_replica_returns_another_calls_data(world):
         assert zero[label][0] == "xcoll.ConcurrentCallError", results[0]
     assert "unusable" in zero["after"][1], results[0]
     # (the messages say which: the call that overlapped, the one it overlapped)
+    assert zero["second"][1].startswith(
+        "xcoll.reduce: called on rank 0 of the group (global rank 0) from thread"
+    ), results[0]
     assert "while another thread has a call in flight on the same process group" in (
         zero["second"][1]
     ), results[0]
