@@ -595,16 +595,19 @@ def _narrowed(device: torch.device) -> dict[torch.dtype, tuple[str, str]]:
     return out
 
 
-# One transport per device: in thread-per-device mode each replica thread has
-# its own device, so what a transport caches (rank, world size) is its replica's.
-_transports: dict[str, XlaTransport] = {}
+# One transport per device and thread: a transport holds its rank, which
+# torch_xla keeps per thread (thread-per-device replicas), so one cached per
+# device alone would give a thread that holds another replica's tensors that
+# replica's rank.
+_local = threading.local()
 
 
 def transport(device: torch.device | None = None) -> XlaTransport:
-    """The transport of ``device`` (default: this thread's XLA device), made on
-    its first call."""
+    """This thread's transport of ``device`` (default: the thread's XLA
+    device), made on its first call."""
+    cache: dict[str, XlaTransport] = _local.__dict__.setdefault("transports", {})
     key = str(device if device is not None else torch_xla.device())
-    t = _transports.get(key)
+    t = cache.get(key)
     if t is None:
-        t = _transports[key] = XlaTransport(torch.device(key))
+        t = cache[key] = XlaTransport(torch.device(key))
     return t
