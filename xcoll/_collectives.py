@@ -33,28 +33,15 @@ def gather(
     leaf is ``out[r]``). A 0-d leaf gives shape ``(W,)`` either way. The output's
     rank never depends on ``W``. A Python scalar leaf gives a list of ``W`` values.
 
-    All leaves must have the same shapes and dtypes on every replica, and be on
-    one device, whose backend the call uses (XLA, torch.distributed, or a world
-    of one: docs/design.md). One packed collective carries the whole tree.
-
-    ``uneven=True`` lets tensor leaves differ in size along ``dim`` between
-    replicas (other dims and dtypes must match); the result holds exactly every
-    replica's entries, in rank order, and an empty shard is valid. It costs one
-    small shape exchange for the whole tree, then one gather. On XLA the leaves
-    are padded to a shared size bucket (the next power of two of the largest
-    size, so XLA compiles a bounded number of graphs); on torch.distributed each
-    replica sends its exact bytes in one buffer, padded only at its end to the
-    largest replica's (docs/metrics.md). With ``max_size`` (an upper bound known
-    on every replica, e.g. the batch size) there is no exchange and the call is
-    a single execution. Uneven gathers stage through the host (``sync=True``
-    only; ``stack`` does not apply).
-
-    The input is left unmodified; outputs are new tensors that never require grad.
+    One packed collective carries the whole tree. The input is left
+    unmodified; outputs are new tensors that never require grad.
 
     Args:
         tree: a pytree (dicts, lists, tuples, namedtuples, ... as optree
             flattens them; ``None`` is an empty subtree) of tensors and Python
-            bool, int and float leaves, of the same structure on every replica.
+            bool, int and float leaves, of the same structure, shapes and
+            dtypes on every replica, on one device, whose backend the call
+            uses (XLA, torch.distributed, or a world of one: docs/design.md).
         dim: the dimension along which tensor leaves are concatenated (or
             stacked).
         stack: insert a new axis of size ``W`` at ``dim`` instead of
@@ -64,9 +51,15 @@ def gather(
             join the caller's pending graph (tensor leaves only; on eager
             backends the call completes anyway).
         to_cpu: return CPU tensors, fetched with one transfer per packed buffer.
-        uneven: let tensor leaves differ in size along ``dim`` between replicas.
+        uneven: let tensor leaves differ in size along ``dim`` between
+            replicas (other dims and dtypes must match; an empty shard is
+            valid): the result holds exactly every replica's entries, in rank
+            order. One small shape exchange, then one gather, through the host
+            (``sync=True`` only; not with ``stack``); how each engine pads:
+            docs/metrics.md.
         max_size: with ``uneven``, an upper bound on every leaf's size along
-            ``dim``, the same on every replica (implies ``uneven``).
+            ``dim``, the same on every replica (implies ``uneven``): no shape
+            exchange, one execution.
         group: a torch.distributed process group (default: the default group);
             not for XLA leaves.
         tag: a str or an int that names the call, with any :class:`xcoll.step`
