@@ -342,6 +342,84 @@ def test_concurrent_calls_on_one_group_are_detected():
     assert "ConcurrentCallError" in kinds, results
 
 
+def _exclusive_messages(_):
+    """On a fresh group (the shared pool's world group stays usable), a
+    second thread enters a call while the first's is open, the first leaves,
+    then a third call enters: what each raised. No collective is made."""
+    import torch.distributed as dist
+
+    from xcoll import _guard
+    from xcoll._backends.dist import DistTransport
+
+    group = dist.new_group()
+    t = DistTransport(None, group)
+    inside, overlapped, raised = threading.Event(), threading.Event(), {}
+
+    def first():
+        call = _guard.exclusive(t, "xcoll.reduce")
+        call.__enter__()
+        with _guard.exclusive(t, "xcoll.gather"):  # a call within its own call: allowed
+            pass
+        inside.set()
+        overlapped.wait()
+        try:
+            call.__exit__(None, None, None)
+        except _guard.ConcurrentCallError as e:
+            raised["first"] = str(e)
+
+    thread = threading.Thread(target=first, name="first")
+    thread.start()
+    inside.wait()
+    for label in ("second", "third"):
+        try:
+            with _guard.exclusive(t, f"xcoll.{label}"):
+                raised[label] = "entered"
+        except _guard.ConcurrentCallError as e:
+            raised[label] = str(e)
+        overlapped.set()
+        thread.join()
+    failed = _guard.entered(t, "xcoll.broadcast", "src=0", None)
+    try:
+        failed._leave(_guard.EngineError("Timed out"))
+    except RuntimeError as e:
+        raised["engine"] = str(e)
+    dist.destroy_process_group(group)
+    return raised
+
+
+def test_calls_of_two_threads_name_each_other_and_leave_the_group_unusable():
+    pool = shared_pool("gloo-2")
+    for rank, raised in enumerate(pool.run(_exclusive_messages, [None, None])):
+        me = f"rank {rank} of the group (global rank {rank})"
+        assert raised == {
+            "second": (
+                f"xcoll.second: called on {me} from thread 'MainThread' while another thread "
+                "has a call in flight on the same process group; calls on one group must come "
+                "from one thread at a time, in the same order on every replica. The group is "
+                "unusable from now on: make a new one (on XLA, restart the replicas)"
+            ),
+            "first": (
+                "xcoll.reduce: another thread called xcoll on the same process group while this "
+                f"call ({me}, thread 'first') was in flight; its result may be paired with that "
+                "call's on other replicas. The group is unusable from now on"
+            ),
+            "third": (
+                f"xcoll.third: {me} made no collective: this process group is unusable since "
+                f"two threads' calls overlapped on {me}; the other replicas' calls may have been "
+                "paired differently. Make a new process group (on XLA, restart the replicas), "
+                "and call from one thread at a time"
+            ),
+            "engine": (
+                f"xcoll.broadcast: a collective did not complete on {me}: Timed out (a replica "
+                "that never arrived, or that the engine stopped. A replica whose code raised "
+                "before this call, and that went on, is one call behind: tag the calls (tag=, "
+                "xcoll.step) to name it. gloo kills a rank that receives a larger buffer than "
+                "its own, as when replicas' calls differ: XCOLL_CHECK=always names such a "
+                "difference)"
+            ),
+        }, raised
+
+
 PROGRAMS = [n for n in EVERY if n not in SAME_PROGRAM]
 
 
