@@ -348,7 +348,7 @@ def _exclusive_messages(_):
     then a third call enters: what each raised. No collective is made."""
     import torch.distributed as dist
 
-    from xcoll import _guard
+    from xcoll import _check, _guard
     from xcoll._backends.dist import DistTransport
 
     group = dist.new_group()
@@ -371,8 +371,9 @@ def _exclusive_messages(_):
     thread.start()
     inside.wait()
     for label in ("second", "third"):
-        try:
-            with _guard.exclusive(t, f"xcoll.{label}"):
+        try:  # (as a public call enters; mode "never": no check, no collective)
+            call = _guard.entered(t, f"xcoll.{label}", "", _check.Description(()))
+            with xcoll.consistency_checks("never"), call:
                 raised[label] = "entered"
         except _guard.ConcurrentCallError as e:
             raised[label] = str(e)

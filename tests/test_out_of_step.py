@@ -180,6 +180,47 @@ def test_the_tagged_loop_of_the_docs_runs(world):
     assert len(set(results)) == 1 and results[0][1] == 8 * pool.world_size, results
 
 
+def _steps_per_group(_):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    solo = dist.new_group([0])  # every rank creates it; rank 0 alone is in it
+    with xcoll.step("eval"):
+        if rank == 0:  # a call on its own group first: call 0 there
+            xcoll.reduce({"x": torch.ones(1)}, group=solo)
+        total = xcoll.reduce({"x": torch.ones(1)})["x"].item()  # call 0 on the world
+    if rank == 0:
+        dist.destroy_process_group(solo)
+    return total
+
+
+def test_a_steps_calls_are_numbered_per_process_group():
+    # a call on a group that some replicas are not in does not shift the
+    # numbers of their calls on the world group
+    assert shared_pool("gloo-2").run(_steps_per_group, [None, None]) == [2.0, 2.0]
+
+
+def _local_error_diagnosed(_):
+    rank = xcoll.rank()
+    with _stderr_and_watchdog(1.0) as err, xcoll.consistency_checks("always"):
+        if rank == 1:
+            time.sleep(2.5)  # rank 0's check (its error shared with every replica) waits
+        try:
+            xcoll.gather({"x": torch.ones(2), "bad": "not a tensor"}, tag="late")
+        except TypeError:
+            pass
+    return err.getvalue()
+
+
+def test_a_call_that_raised_locally_and_waits_is_diagnosed():
+    printed = shared_pool("gloo-2").run(_local_error_diagnosed, [None, None])[0]
+    assert (
+        "xcoll: xcoll.gather on rank 0 has waited 1 s for the other replicas. A replica" in printed
+    ), printed
+    assert "This replica's call: tag: tag='late'; parameters: dim=0 " in printed, printed
+    assert "; no leaves; description " in printed, printed
+
+
 # ---- two threads on one group ----------------------------------------------------
 
 
