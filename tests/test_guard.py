@@ -153,6 +153,17 @@ def test_the_watchdogs_diagnosis_names_the_call_and_what_to_do():
     )
 
 
+def test_a_world_of_one_starts_no_watch():
+    # nothing to wait for: a slow call (a first compile) must not print that
+    # it waits for the other replicas
+    from xcoll import _watchdog
+
+    before = next(_watchdog._ids)
+    assert xcoll.reduce({"x": torch.ones(2)})["x"].tolist() == [1.0, 1.0]
+    xcoll.barrier("b")
+    assert next(_watchdog._ids) == before + 1
+
+
 # ---- a verdict on every bit of the header -----------------------------------
 
 # The fingerprint bit this thread's calls flip (None: none), while
