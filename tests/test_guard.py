@@ -153,15 +153,19 @@ def test_the_watchdogs_diagnosis_names_the_call_and_what_to_do():
     )
 
 
-def test_a_world_of_one_starts_no_watch():
+def test_a_world_of_one_starts_no_watch_and_sends_no_header():
     # nothing to wait for: a slow call (a first compile) must not print that
-    # it waits for the other replicas
-    from xcoll import _watchdog
+    # it waits for the other replicas; no replica to disagree with: no guard
+    from xcoll import _backends, _check, _guard, _watchdog
 
     before = next(_watchdog._ids)
     assert xcoll.reduce({"x": torch.ones(2)})["x"].tolist() == [1.0, 1.0]
     xcoll.barrier("b")
     assert next(_watchdog._ids) == before + 1
+    t = _backends.current()
+    assert t.world_size() == 1
+    with _guard.entered(t, "xcoll.gather", "", _check.Description(())) as signature:
+        assert signature is None
 
 
 # ---- a verdict on every bit of the header -----------------------------------
@@ -353,49 +357,66 @@ def test_concurrent_calls_on_one_group_are_detected():
     assert "ConcurrentCallError" in kinds, results
 
 
-def _exclusive_messages(_):
-    """On a fresh group (the shared pool's world group stays usable), a
-    second thread enters a call while the first's is open, the first leaves,
-    then a third call enters: what each raised. No collective is made."""
-    import torch.distributed as dist
-
+def _overlap(t, error: Exception | None) -> dict:
+    """A second thread enters a call while the first thread's is open (a
+    call within its own call first: allowed), then the first leaves (raising
+    ``error``, if given), then a third call enters: what each raised. Entered
+    as public calls are, in mode "never": no check, no collective."""
     from xcoll import _check, _guard
-    from xcoll._backends.dist import DistTransport
 
-    group = dist.new_group()
-    t = DistTransport(None, group)
+    def entry(name):
+        return _guard.entered(t, name, "", _check.Description(()))
+
     inside, overlapped, raised = threading.Event(), threading.Event(), {}
 
     def first():
-        call = _guard.exclusive(t, "xcoll.reduce")
-        call.__enter__()
-        with _guard.exclusive(t, "xcoll.gather"):  # a call within its own call: allowed
-            pass
-        inside.set()
-        overlapped.wait()
         try:
-            call.__exit__(None, None, None)
-        except _guard.ConcurrentCallError as e:
-            raised["first"] = str(e)
+            with xcoll.consistency_checks("never"), entry("xcoll.reduce"):
+                with entry("xcoll.gather"):
+                    pass
+                inside.set()
+                overlapped.wait()
+                if error is not None:
+                    raise error
+        except Exception as e:
+            raised["first"] = f"{type(e).__name__}: {e}"
 
     thread = threading.Thread(target=first, name="first")
     thread.start()
     inside.wait()
     for label in ("second", "third"):
-        try:  # (as a public call enters; mode "never": no check, no collective)
-            call = _guard.entered(t, f"xcoll.{label}", "", _check.Description(()))
-            with xcoll.consistency_checks("never"), call:
+        try:
+            with xcoll.consistency_checks("never"), entry(f"xcoll.{label}"):
                 raised[label] = "entered"
         except _guard.ConcurrentCallError as e:
             raised[label] = str(e)
         overlapped.set()
         thread.join()
-    failed = _guard.entered(t, "xcoll.broadcast", "src=0", None)
+    return raised
+
+
+def _exclusive_messages(_):
+    """On fresh groups (the shared pool's world group stays usable): an
+    engine failure in a call; two threads' calls that overlap, the first
+    ending normally, then with an error of its own."""
+    import torch.distributed as dist
+
+    from xcoll import _check, _guard
+    from xcoll._backends.dist import DistTransport
+
+    groups = [dist.new_group(), dist.new_group()]
+    t = DistTransport(None, groups[0])
+    raised = {}
     try:
-        failed._leave(_guard.EngineError("Timed out"))
+        with xcoll.consistency_checks("never"):
+            with _guard.entered(t, "xcoll.broadcast", "src=0", _check.Description(())):
+                raise _guard.EngineError("Timed out")
     except RuntimeError as e:
         raised["engine"] = str(e)
-    dist.destroy_process_group(group)
+    raised.update(_overlap(t, None))
+    raised["with an error"] = _overlap(DistTransport(None, groups[1]), ValueError("a bad batch"))
+    for group in groups:
+        dist.destroy_process_group(group)
     return raised
 
 
@@ -411,7 +432,7 @@ def test_calls_of_two_threads_name_each_other_and_leave_the_group_unusable():
                 "unusable from now on: make a new one (on XLA, restart the replicas)"
             ),
             "first": (
-                "xcoll.reduce: another thread called xcoll on the same process group while this "
+                "ConcurrentCallError: xcoll.reduce: another thread called xcoll on the same process group while this "
                 f"call ({me}, thread 'first') was in flight; its result may be paired with that "
                 "call's on other replicas. The group is unusable from now on"
             ),
@@ -429,6 +450,11 @@ def test_calls_of_two_threads_name_each_other_and_leave_the_group_unusable():
                 "its own, as when replicas' calls differ: XCOLL_CHECK=always names such a "
                 "difference)"
             ),
+            "with an error": {  # (the first's own error, not the overlap's)
+                "first": "ValueError: a bad batch",
+                "second": raised["second"],  # (the same words on the second group)
+                "third": raised["third"],
+            },
         }, raised
 
 
