@@ -20,7 +20,8 @@ tests.mutation``, in mutmut's pytest arguments), this module tells it that
 each test of a file in :data:`OWNERS` calls every function named there. The
 workers inherit the chosen mutant (the environment variable) and import the
 mutated tree (mutmut puts ``mutants/`` first on ``sys.path``, which a spawned
-worker inherits).
+worker inherits). It also orders a mutant's tests fastest first, so that a
+killed mutant costs its cheapest failing test, not the replica pools' slow ones.
 
 At the end, the kill rate of each module, and each survivor's diff (``mutmut
 show NAME``); ``mutmut browse`` explores them. Survivors that no test can kill

@@ -66,20 +66,21 @@ def test_a_replica_that_skips_a_tagged_call_makes_every_replica_raise(world, how
         assert "step 1, call" in text and "step 2, call" in text, text
 
 
-def _tagged(_):
+def _tagged(sync: bool):
     rank = xcoll.rank()
     x = torch.ones(2).to(device())
-    try:
-        xcoll.gather({"x": x}, tag="eval" if rank == 0 else "train")
+    try:  # (sync=False on XLA: no guard header, the call is checked in full)
+        xcoll.gather({"x": x}, tag="eval" if rank == 0 else "train", sync=sync)
     except xcoll.CollectiveMismatchError as e:
         return str(e)
     return "no error"
 
 
+@pytest.mark.parametrize("sync", [True, False])
 @pytest.mark.parametrize("world", WORLDS)
-def test_calls_with_different_tags_raise_naming_both(world):
+def test_calls_with_different_tags_raise_naming_both(world, sync):
     pool = shared_pool(world)
-    for text in pool.run(_tagged, [None] * pool.world_size):
+    for text in pool.run(_tagged, [sync] * pool.world_size):
         assert "tag='eval'" in text and "tag='train'" in text, text
 
 
