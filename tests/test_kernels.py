@@ -532,3 +532,21 @@ def test_torch_join_and_unjoin_make_their_buffers_where_the_parts_are():
     for world in (None, 2):
         result = torch.empty((world or 1) * joined.words, dtype=torch.int32, device=meta)
         assert all(t.device == meta for t in TORCH.unjoin(result, joined, world))
+
+
+def _means(_):
+    import torch_xla
+
+    import xcoll
+
+    x = torch.tensor([1.0, 2.0], dtype=torch.bfloat16).to(torch_xla.device()) * (xcoll.rank() + 1)
+    return xcoll.reduce({"m": x, "y": x.float()}, "mean", to_cpu=True)
+
+
+def test_xla_means_divide_on_each_replicas_own_device():
+    # (each replica thread has a device of its own: a divisor made on another's
+    # aborts the process)
+    out = shared_pool("xla-cpu-2").run(_means, [None, None])
+    for got in out:
+        assert got["m"].tolist() == [1.5, 3.0] and got["m"].dtype == torch.bfloat16, got
+        assert got["y"].tolist() == [1.5, 3.0], got
