@@ -375,23 +375,29 @@ def _overlap(t, error: Exception | None) -> dict:
                 with entry("xcoll.gather"):
                     pass
                 inside.set()
-                overlapped.wait()
+                assert overlapped.wait(60), "the second call never came"
                 if error is not None:
                     raise error
         except Exception as e:
             raised["first"] = f"{type(e).__name__}: {e}"
 
-    thread = threading.Thread(target=first, name="first")
+    # (bounded waits and a daemon thread: a failure on either side fails the
+    # test instead of leaving the pool's worker waiting forever)
+    thread = threading.Thread(target=first, name="first", daemon=True)
     thread.start()
-    inside.wait()
-    for label in ("second", "third"):
-        try:
-            with xcoll.consistency_checks("never"), entry(f"xcoll.{label}"):
-                raised[label] = "entered"
-        except _guard.ConcurrentCallError as e:
-            raised[label] = str(e)
+    try:
+        assert inside.wait(60), raised
+        for label in ("second", "third"):
+            try:
+                with xcoll.consistency_checks("never"), entry(f"xcoll.{label}"):
+                    raised[label] = "entered"
+            except _guard.ConcurrentCallError as e:
+                raised[label] = str(e)
+            overlapped.set()
+            thread.join(60)
+    finally:
         overlapped.set()
-        thread.join()
+    assert not thread.is_alive(), raised
     return raised
 
 
