@@ -75,7 +75,6 @@ def _both(case):
     on_device = [[p.to(dev) for p in bucket] for bucket in parts]
     for name, kernels, inputs in (("torch", TORCH, parts), ("xla", xla, on_device)):
         got = out[name]
-        got["pack"] = [_as_int(kernels, t) for t in kernels.pack(inputs, shapes, dtypes)]
         flats = [
             _random_bits(dtype, (world * sum(n),), seed + k).to(inputs[0][0].device)
             for k, (dtype, n) in enumerate(zip(dtypes, sizes, strict=True))
@@ -107,7 +106,7 @@ def _both(case):
             for wire in (False, True):
                 segs = kernels.unjoin(words, joined, world, wire)
                 got[f"unjoin wire={wire}"] = [_as_int(kernels, t) for t in segs]
-        encoded = kernels.encode_reduce(kernels.pack(inputs, shapes, dtypes), ops)
+        encoded = kernels.encode_reduce(inputs, shapes, dtypes, ops)
         got["encode_reduce"] = [_as_int(kernels, t) for t in encoded]
         # decoded from random wires: any bits an all-reduce could return
         reduced = [
@@ -268,7 +267,7 @@ def _compare(case):
     for what in got["torch"]:
         for k, (a, b) in enumerate(zip(got["torch"][what], got["xla"][what], strict=True)):
             pairs = zip(a, b, strict=True) if isinstance(a, list) else [(a, b)]
-            per_bucket = what in ("pack", "split", "encode_reduce", "decode_reduce")
+            per_bucket = what in ("split", "encode_reduce", "decode_reduce")
             merged = per_bucket and any(p.dtype != dtypes[k] for p in parts[k])
             for j, (x, y) in enumerate(pairs):
                 assert x.dtype == y.dtype and x.shape == y.shape, (what, k, x, y)
@@ -277,15 +276,13 @@ def _compare(case):
                     continue
                 dtype = parts[k][j].dtype if what == "split" else dtypes[k]
                 arithmetic = (what == "decode_reduce" and ops[k] in ("sum", "prod")) or (
-                    what in ("pack", "split") and merged
+                    what in ("encode_reduce", "split") and merged
                 )
                 if dtype.is_floating_point and arithmetic:
                     # XLA:CPU's float arithmetic and conversions flush
                     # subnormals to zero (docs/design.md): compared as zeros
                     x, y = _flushed(x, dtype), _flushed(y, dtype)
-                if (what == "pack" and merged and dtype.is_floating_point) or (
-                    what == "encode_reduce" and ops[k] in ("sum", "prod")
-                ):
+                if what == "encode_reduce" and ops[k] in ("sum", "prod"):
                     # a float sum's encoding (and a half-precision part's
                     # widening) may carry NaN payloads either way: decoding
                     # makes every NaN the quiet NaN

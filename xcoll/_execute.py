@@ -2,11 +2,12 @@
 through: pack, collectives, verdict, unpack, outputs.
 
 A move (gather, broadcast) joins every bucket's bytes into one buffer (one
-kernel call) and makes one collective; a reduce packs its buckets (one kernel
-call), encodes them in place and makes one collective per bucket. Then one
-wait, the buffers cut back into buckets (one kernel call), and into outputs:
-on the device with one kernel call, or on the host with a torch call per run
-of equal shapes after one fetch per call (``to_cpu``).
+kernel call) and makes one collective; a reduce packs and encodes its buckets
+(one kernel call) and makes one collective per bucket. Then one wait, the
+buffers cut back into buckets (one kernel call), and into outputs: on the
+device with one kernel call, or with ``to_cpu`` on the host after one fetch
+per call (a reduce's results fetched as they arrived, decoded on the host:
+no computation after its collectives).
 
 Everything here reads the recipe; nothing calls back into the op that made
 it. The verdict of a one-sided broadcast (a receiver learns that ``src``'s
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from . import _guard, _pack, _tree, _wire
-from ._backends.base import TORCH, Transport
+from ._backends.base import TORCH, Kernels, Transport
 from ._recipe import Recipe
 
 
@@ -73,7 +74,7 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     late = _arrived(r, transport, results[0]) if r.guard and r.guard.when == "last" else None
     flats, header = _decoded(r, transport, results, to_cpu)
     del results
-    pieces, header = _pieces(r, transport, flats, header, to_cpu)
+    pieces, header = _pieces(r, TORCH if to_cpu else transport.kernels, flats, header)
     del flats
     blocks = _place(r, pieces, out)
     del pieces
@@ -98,8 +99,7 @@ def _wires(r: Recipe, flat, transport: Transport, signature, mine) -> list[torch
     kernels = transport.kernels
     if r.kind == "reduce":
         parts[0] = [*(head[0] if head else []), *parts[0]]
-        packed = kernels.pack(parts, r.part_shapes, [b.dtype for b in r.buckets])
-        return kernels.encode_reduce(packed, list(r.ops))
+        return kernels.encode_reduce(parts, r.part_shapes, [b.dtype for b in r.buckets], r.ops)
     wires = []
     if r.joined is not None:
         wires.append(kernels.join(head + [parts[j] for j in r.joined.order], r.joined))
@@ -157,55 +157,52 @@ def _check(transport: Transport, signature, got: bytes, expected: bytes) -> None
 
 
 def _decoded(r: Recipe, transport: Transport, results, to_cpu: bool):
-    """Each live bucket's 1-d buffer, on the engine's device (one computation
-    on XLA), and a move's header piece (None for a reduce's, which is still
-    bucket 0's first part). With ``to_cpu`` a move's buffers stay in their
-    integer wire form: a device's download of floats may change NaN payloads
-    (a reduce's NaN are the quiet NaN, which every download keeps)."""
+    """Each live bucket's 1-d buffer, decoded, and a move's header piece (None
+    for a reduce's, which is still bucket 0's first part): on the engine's
+    device (one computation on XLA), or with ``to_cpu`` on the host, after one
+    transfer. A reduce's results are fetched as they arrived; a move's are cut
+    into segments on the device first (on the host, a gather's slot-major
+    copies cost more than the computation), in their integer wire form: a
+    device's download of floats may change NaN payloads."""
     if r.kind == "reduce":
+        kernels = transport.kernels
+        if to_cpu:
+            results, kernels = transport.sync_and_fetch(results), TORCH
         dtypes = [b.dtype for b in r.buckets]
-        flats = transport.kernels.decode_reduce(
-            results, dtypes, list(r.ops), list(r.means), r.world
-        )
-        return flats, None
-    return _unjoin(r, transport, results, wire=to_cpu)
+        return kernels.decode_reduce(results, dtypes, list(r.ops), list(r.means), r.world), None
+    flats, header = _unjoin(r, transport.kernels, results, wire=to_cpu)
+    if not to_cpu:
+        return flats, header
+    fetched = transport.sync_and_fetch(flats + ([header] if header is not None else []))
+    header = fetched.pop() if header is not None else None
+    dtypes = [b.dtype for b in r.buckets]
+    return [_wire.decode_move(f, d, TORCH.bitcast) for f, d in zip(fetched, dtypes, strict=True)], header
 
 
-def _pieces(r: Recipe, transport: Transport, flats, header, to_cpu: bool):
-    """Each live bucket's output pieces, cut on the device, or with
-    ``to_cpu`` fetched first (with the header) and cut on the host; and the
-    header's piece if it is still to be read (lazy engines)."""
-    if to_cpu:
-        fetched = transport.sync_and_fetch(flats + ([header] if header is not None else []))
-        header = fetched.pop() if header is not None else None
-        if r.kind != "reduce":
-            dtypes = [b.dtype for b in r.buckets]
-            fetched = [
-                _wire.decode_move(f, d, TORCH.bitcast) for f, d in zip(fetched, dtypes, strict=True)
-            ]
-        pieces = TORCH.split(fetched, r.shapes, r.casts)
-    else:
-        pieces = transport.kernels.split(flats, r.shapes, r.casts) if flats else []
+def _pieces(r: Recipe, kernels: Kernels, flats, header):
+    """Each live bucket's output pieces, cut by ``kernels``; and the header's
+    piece if it is still to be read (lazy engines)."""
+    pieces = kernels.split(flats, r.shapes, r.casts) if flats else []
     if r.guard is not None and r.kind == "reduce":  # the header's piece of bucket 0
         header = pieces[0].pop(0)
     return pieces, header if r.guard is not None and r.guard.when == "outputs" else None
 
 
-def _unjoin(r: Recipe, transport: Transport, results, wire: bool):
-    """Each live bucket's 1-d buffer of a move (in
-    the integer ``wire`` form, or decoded), and its header piece (or None):
-    the joined buffer's first, then those of the buckets that travel alone (a
-    gather's result of one slot is slot-major already)."""
+def _unjoin(r: Recipe, kernels: Kernels, results, wire: bool):
+    """Each live bucket's 1-d buffer of a move (in the integer ``wire`` form,
+    or decoded), and its header piece (or None): the joined buffer's first,
+    then those of the buckets that travel alone (a gather's result of one
+    slot is slot-major already)."""
     flats: list[Any] = [None] * len(r.buckets)
     header = None
     results = list(results)
     if r.joined is not None:
-        segments = transport.kernels.unjoin(results.pop(0), r.joined, r.gathered, wire)
+        segments = kernels.unjoin(results.pop(0), r.joined, r.gathered, wire)
         header = segments.pop(0) if r.guard is not None else None
         for j, seg in zip(r.joined.order, segments, strict=True):
             flats[j] = seg
     for j, got in zip(r.alone, results, strict=True):
-        flats[j] = got if wire else _wire.decode_move(got, r.buckets[j].dtype, TORCH.bitcast)
+        flats[j] = got if wire else _wire.decode_move(got, r.buckets[j].dtype, kernels.bitcast)
     return flats, header
 
 

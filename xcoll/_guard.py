@@ -196,7 +196,8 @@ def _build(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: i
 
 def as_bytes(t: torch.Tensor) -> bytes:
     """The bytes of host tensor ``t``."""
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).contiguous().numpy().tobytes()
+    # (numpy has no bfloat16; ``tobytes`` copies in C order, whatever the strides)
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
 
 
 _uploads: _memo.Memo[torch.Tensor] = _memo.Memo(locked=True)

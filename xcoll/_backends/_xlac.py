@@ -9,6 +9,7 @@ collective. xcoll is tested with torch_xla 2.9.0.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,10 +94,52 @@ def all_gather(buf: torch.Tensor, world_size: int) -> torch.Tensor:
     return _binding("_xla_all_gather")(buf, 0, world_size, [], False, None, None)
 
 
+def all_reduce(buf: torch.Tensor, reduce_type: str) -> torch.Tensor:
+    """One all-reduce of ``buf`` over every replica (``reduce_type``: an
+    ``xm.REDUCE_*``). Replaces ``xm.all_reduce(reduce_type, buf,
+    pin_layout=False)`` without its Python wrapper, which reads the
+    environment and the runtime's world size on every call (a world of one is
+    the caller's to skip)."""
+    return _binding("_xla_all_reduce")(reduce_type, buf, 1.0, [], False)
+
+
+def upload(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` (CPU) copied to ``device``, in one call. Replaces a
+    ``.to(device)`` per tensor."""
+    return list(_binding("_xla_tensors_from_aten")(list(tensors), [str(device)] * len(tensors)))
+
+
 def get_cpu_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """CPU copies of device tensors, fetched in one call. Replaces a ``.cpu()``
     per tensor (one transfer each)."""
     return list(_binding("_xla_get_cpu_tensors")(list(tensors)))
+
+
+# torch_xla.sync()'s debugging settings, which it reads on every call; xcoll
+# reads them when it starts (set later, they take effect in torch_xla.sync()).
+_SYNC_SETTINGS = ("XLA_EMIT_STEPLOG", "XLA_SYNC_WAIT", "XLA_METRICS_FILE")
+_SYNC_AS_IS = any(os.environ.get(v) not in (None, "", "0", "false", "False") for v in _SYNC_SETTINGS)
+
+
+def step(device: torch.device) -> None:
+    """``torch_xla.sync()`` from the thread whose default device is
+    ``device``: runs its pending graph (asynchronously), then the step
+    closures registered for it, and clears its collective token. Replaces
+    ``torch_xla.sync()``, which also reads the environment, the ordinal and
+    the metrics settings on every call (a third of a small call's host work
+    at W=4); where one of its debugging settings is set, it runs itself."""
+    if _SYNC_AS_IS:
+        torch_xla.sync()
+        return
+    import torch_xla.core.xla_model as xm
+
+    name = str(device)
+    _binding("_xla_step_marker")(name, [], wait=False)
+    closures = getattr(xm, "_run_step_closures", None)
+    if closures is None:
+        raise RuntimeError(_MISSING.format(name="core.xla_model._run_step_closures"))
+    closures()
+    _binding("_set_all_reduce_token")(name, None)
 
 
 def sync_only(tensors: Sequence[torch.Tensor]) -> None:

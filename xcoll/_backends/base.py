@@ -4,8 +4,9 @@
   ``world_size``, ``all_gather``, ``all_reduce``, ``broadcast``, ``wait``,
   ``sync``, ``to_host`` and ``exchange`` (a small gather run on its own).
 * :class:`Kernels`: how packed buffers are built and cut on the engine's
-  device: ``join`` and ``unjoin`` (a move's one buffer), ``pack``,
-  ``encode_reduce`` and ``decode_reduce`` (a reduce's), ``split`` and ``bitcast``. The torch
+  device: ``join`` and ``unjoin`` (a move's one buffer), ``encode_reduce``
+  (packed and encoded) and ``decode_reduce`` (a reduce's), ``split`` and
+  ``bitcast``. The torch
   implementation here serves every device; the XLA backend has its own, made of
   XLA computations (one graph node each instead of a torch call per leaf), and a
   test checks that both give the same bits.
@@ -90,11 +91,16 @@ class Kernels:
         return out
 
     def encode_reduce(
-        self, bufs: Sequence[torch.Tensor], ops: Sequence[str]
+        self,
+        parts: Sequence[Sequence[torch.Tensor]],
+        shapes: Sequence[Sequence[tuple[int, ...]]],
+        dtypes: Sequence[torch.dtype],
+        ops: Sequence[str],
     ) -> list[torch.Tensor]:
-        """Each joined bucket in the form whose all-reduce ``op`` gives the
-        result (:func:`xcoll._wire.encode_reduce`)."""
-        return [_wire.encode_reduce(b, op, self.bitcast) for b, op in zip(bufs, ops, strict=True)]
+        """Each bucket's ``parts`` packed (:meth:`pack`) in the form whose
+        all-reduce ``op`` gives the result (:func:`xcoll._wire.encode_reduce`)."""
+        packed = self.pack(parts, shapes, dtypes)
+        return [_wire.encode_reduce(b, op, self.bitcast) for b, op in zip(packed, ops, strict=True)]
 
     def decode_reduce(
         self,

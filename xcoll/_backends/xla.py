@@ -80,7 +80,7 @@ def sync(device: torch.device | None = None) -> None:
     """
     device = device or torch_xla.device()
     with SYNC_LOCK:
-        torch_xla.sync()
+        _xlac.step(device)
     _xlac.wait_device(device)
 
 
@@ -239,31 +239,40 @@ class XlaKernels(Kernels):
 
         return _apply("bitcast", ("bitcast", tuple(t.shape), t.dtype, dtype), build, [t])[0]
 
-    def pack(self, parts, shapes, dtypes):
+    def encode_reduce(self, parts, shapes, dtypes, ops):
+        # packed and encoded in one computation: one graph node per call
         flat = [t for p in parts for t in p]
         own = [t.dtype for t in flat]
 
         def build():
-            def pack(*params):
-                joined, at = [], 0
-                for dtype, bucket_shapes in zip(dtypes, shapes, strict=True):
+            def encode(*params):
+                out, at = [], 0
+                for dtype, how, bucket_shapes in zip(dtypes, ops, shapes, strict=True):
                     n = len(bucket_shapes)
                     # (a narrower part, widened exactly: bool as 0/1)
-                    ops = [
+                    typed = [
                         q if d == dtype else q.cast(_XLA_TYPES[dtype])
                         for q, d in zip(params[at : at + n], own[at : at + n], strict=True)
                     ]
                     at += n
                     # Bits become integers before the join: XLA:CPU may
                     # canonicalise NaN payloads when it copies floats (bfloat16).
-                    wire = _join([_encode(q, dtype) for q in ops], bucket_shapes)
-                    joined.append(_decode(wire, dtype))
-                return xb.Op.tuple(joined)
+                    wire = _join([_encode(q, dtype) for q in typed], bucket_shapes)
+                    out.append(_encode_reduce(_decode(wire, dtype), dtype, how))
+                return xb.Op.tuple(out)
 
-            return xb.create_computation("xcoll_pack", pack, [xb.tensor_shape(t) for t in flat])
+            return xb.create_computation(
+                "xcoll_encode_reduce", encode, [xb.tensor_shape(t) for t in flat]
+            )
 
-        key = ("pack", tuple(dtypes), tuple(own), tuple(tuple(s) for s in shapes))
-        return _apply("pack", key, build, flat)
+        key = (
+            "encode_reduce",
+            tuple(dtypes),
+            tuple(ops),
+            tuple(own),
+            tuple(tuple(s) for s in shapes),
+        )
+        return _apply("encode_reduce", key, build, flat)
 
     def join(self, segments, joined):
         # (empty parts have no bytes, so they are no parameters: read from the
@@ -322,25 +331,6 @@ class XlaKernels(Kernels):
             return xb.create_computation("xcoll_unjoin", unjoin, [xb.tensor_shape(result)])
 
         return _apply("unjoin", ("unjoin", joined, w, wire), build, [result])
-
-    def encode_reduce(self, bufs, ops):
-        dtypes = [b.dtype for b in bufs]
-
-        def build():
-            def encode(*params):
-                return xb.Op.tuple(
-                    [
-                        _encode_reduce(p, d, how)
-                        for p, d, how in zip(params, dtypes, ops, strict=True)
-                    ]
-                )
-
-            return xb.create_computation(
-                "xcoll_encode_reduce", encode, [xb.tensor_shape(b) for b in bufs]
-            )
-
-        key = ("encode_reduce", tuple(dtypes), tuple(ops), tuple(b.shape[0] for b in bufs))
-        return _apply("encode_reduce", key, build, bufs)
 
     def decode_reduce(self, outs, dtypes, ops, means, world):
         # W as data, one (1,) tensor per dtype that a mean is divided in
@@ -477,33 +467,34 @@ class XlaTransport(Transport):
         # A traced program has one parameter per device buffer, so a leaf whose
         # buffer is shared gives its replica a program of its own: a 0-d upload
         # (torch_xla caches those by value and shares them with equal scalars
-        # anywhere in the graph, its collective token included), or one tensor
-        # passed twice. Each such leaf is fetched (a transfer: it is data, so
-        # nothing runs) and uploaded again (a 0-d one as 1-d: torch_xla shares
-        # no upload of more than 0 dims). A pending tensor passed twice cannot
-        # be split this way (docs/design.md).
+        # anywhere in the graph, its collective token included), or one buffer
+        # passed twice (t, t.detach()). Each such leaf is fetched (a transfer:
+        # it is data, so nothing runs) and uploaded again (a 0-d one as 1-d:
+        # torch_xla shares no upload of more than 0 dims), all in one call. A
+        # pending tensor passed twice cannot be split this way
+        # (docs/design.md). In a world of one too: its program would depend
+        # on its values, and be compiled again for each pattern of them.
         leaves = flat.leaves
-        redo = [i for i in flat.zero_d if _xlac.data_handle(leaves[i]) is not None]
-        tensors = flat.tensors
-        handles = _xlac.data_handles([leaves[i] for i in tensors])
-        shared: Sequence[int | None]
-        if handles is not None:  # all data: any two that share a buffer (t, t.detach())
-            shared = handles if len(set(handles)) < len(handles) else []
-        elif len({id(leaves[i]) for i in tensors}) < len(tensors):  # one tensor twice
-            shared = [id(leaves[i]) if _xlac.data_handle(leaves[i]) else None for i in tensors]
-        else:
-            shared = []
+        tensors, zero_d = flat.tensors, set(flat.zero_d)
+        handles: Sequence[int | None] | None = _xlac.data_handles([leaves[i] for i in tensors])
+        if handles is None:  # (one call if all are data) some are pending: asked one by one
+            twice = len({id(leaves[i]) for i in tensors}) < len(tensors)
+            handles = [
+                _xlac.data_handle(leaves[i]) if twice or i in zero_d else None for i in tensors
+            ]
         seen: set[int | None] = set()
-        for i, h in zip(tensors, shared, strict=False):
-            if h is not None and h in seen and i not in redo:
+        redo = []
+        for i, h in zip(tensors, handles, strict=True):
+            if h is not None and (i in zero_d or h in seen):
                 redo.append(i)
             seen.add(h)
         if not redo:
             return leaves
         leaves = list(leaves)
-        for i, host in zip(redo, self.to_host([leaves[i] for i in redo]), strict=True):
-            # (0-d: as 1-d, then a view, the same on every replica whose leaf is data)
-            leaves[i] = self.upload(host) if host.dim() else self.upload(host.reshape(1))[0]
+        # (0-d: as 1-d, then a view, the same on every replica whose leaf is data)
+        hosts = [h if h.dim() else h.reshape(1) for h in self.to_host([leaves[i] for i in redo])]
+        for i, up in zip(redo, _xlac.upload(hosts, self.device), strict=True):
+            leaves[i] = up if leaves[i].dim() else up[0]
         return leaves
 
     def rank(self) -> int:
@@ -522,10 +513,10 @@ class XlaTransport(Transport):
         return _xlac.all_gather(buf, self._world)
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        if self._world == 1:  # (``buf`` is the call's own: nothing to reduce)
+            return buf
         _xlac.reset_token(self.device)
-        out = xm.all_reduce(_REDUCE_TYPES[op], buf, pin_layout=False)
-        assert isinstance(out, torch.Tensor)  # (a list for a list of inputs)
-        return out
+        return _xlac.all_reduce(buf, _REDUCE_TYPES[op])
 
     def wait(self) -> None:
         _xlac.reset_token(self.device)
@@ -563,7 +554,7 @@ class XlaTransport(Transport):
         # would (one execution in flight per replica), and costs one wait less:
         # measured 0.3 ms per call at W=4 on 2 cores.
         with SYNC_LOCK:
-            torch_xla.sync()
+            _xlac.step(self.device)
         return self.to_host(tensors)
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
