@@ -57,11 +57,8 @@ def execute(
 def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to_cpu: bool):
     """The output leaves (Python scalars as CPU tensors), and the verdict."""
     out: list[Any] = [None] * len(flat.leaves)
-    for leaf, shape, dtype in r.empties:
-        device = "cpu" if to_cpu else flat.leaves[leaf].device
-        out[leaf] = _finish(r, leaf, torch.empty(shape, dtype=dtype, device=device))
     if not r.buckets and r.guard is None:
-        return out, True
+        return _empties(r, flat, out, to_cpu), True
     mine = None
     if r.guard is not None:
         assert signature is not None
@@ -77,6 +74,7 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     pieces, header = _pieces(r, TORCH if to_cpu else transport.kernels, flats, header)
     del flats
     blocks = _place(r, pieces, out)
+    _empties(r, flat, out, to_cpu)
     del pieces
     blocks, header = _materialise(transport, blocks, header, sync, to_cpu)
     if header is not None:
@@ -207,12 +205,24 @@ def _unjoin(r: Recipe, kernels: Kernels, results, wire: bool):
 
 
 def _place(r: Recipe, pieces, out: list[Any]) -> list[torch.Tensor]:
-    """Each tensor slot's output from its piece; returns the scalar blocks
-    (a bucket's last piece, when it has scalars)."""
+    """Each tensor slot's output from its piece (a gathered one whose replica
+    axis moves, moved); returns the scalar blocks (a bucket's last piece,
+    when it has scalars)."""
     for b, bucket_pieces in zip(r.buckets, pieces, strict=True):
-        for s, t in zip(b.tensors, bucket_pieces, strict=False):
-            out[s.leaf] = _finish(r, s.leaf, t)
+        for leaf, t in zip(b.tensor_leaves, bucket_pieces, strict=False):
+            out[leaf] = t
+    for leaf in r.moved:
+        if out[leaf] is not None:  # (an empty leaf's is placed moved already)
+            out[leaf] = _finish(r, leaf, out[leaf])
     return [p[-1] for b, p in zip(r.buckets, pieces, strict=True) if b.scalars]
+
+
+def _empties(r: Recipe, flat, out: list[Any], to_cpu: bool) -> list[Any]:
+    """The outputs of the tensor leaves without elements (nothing was sent)."""
+    for leaf, shape, dtype in r.empties:
+        device = "cpu" if to_cpu else flat.leaves[leaf].device
+        out[leaf] = _finish(r, leaf, torch.empty(shape, dtype=dtype, device=device))
+    return out
 
 
 def _finish(r: Recipe, leaf: int, t: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,7 @@ def decode_reduce(
     if dtype == torch.bool:
         return out != 0
     if not dtype.is_floating_point:
-        return out.to(dtype)
+        return out if out.dtype == dtype else out.to(dtype)
     if op in ("max", "min"):
         for k in _chunks(out):
             k.copy_(_flip(k))
@@ -138,7 +138,8 @@ def decode_reduce(
     else:
         for start, stop in means:
             out[start:stop].div_(world)
-        out = out.to(dtype)
+        # (a call less where the dtype stays: each may hand the GIL to another replica)
+        out = out if out.dtype == dtype else out.to(dtype)
     return _quiet(out)
 
 

@@ -24,6 +24,7 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Sequence
@@ -277,15 +278,18 @@ class XlaKernels(Kernels):
     def join(self, segments, joined):
         # (empty parts have no bytes, so they are no parameters: read from the
         # layout, which is the computation's key)
-        flat = [
-            t
-            for k, seg in enumerate(segments)
-            for j, t in enumerate(seg)
-            if not joined.empty or (k, j) not in joined.empty
-        ]
-        counts = [sum(1 for n in sizes if n) for sizes in joined.sizes]
+        flat = list(itertools.chain.from_iterable(segments))
+        if joined.empty:
+            flat = [
+                t
+                for k, seg in enumerate(segments)
+                for j, t in enumerate(seg)
+                if (k, j) not in joined.empty
+            ]
 
         def build():
+            counts = [sum(1 for n in sizes if n) for sizes in joined.sizes]
+
             def join(*params):
                 raw, at = [], 0
                 for dtype, k, n, padded in zip(
@@ -382,8 +386,9 @@ class XlaKernels(Kernels):
             return xb.create_computation("xcoll_split", cut, [xb.tensor_shape(f) for f in flats])
 
         key = ("split", tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes), casts)
-        pieces = iter(_apply("split", key, build, flats))
-        return [[next(pieces) for _ in bucket_shapes] for bucket_shapes in shapes]
+        pieces = _apply("split", key, build, flats)
+        ends = list(itertools.accumulate(len(b) for b in shapes))
+        return [pieces[a:z] for a, z in zip([0, *ends], ends, strict=False)]
 
 
 # Settings under which the device keeps some dtypes in a narrower one: values of
@@ -482,6 +487,8 @@ class XlaTransport(Transport):
             handles = [
                 _xlac.data_handle(leaves[i]) if twice or i in zero_d else None for i in tensors
             ]
+        if not zero_d and len(set(handles)) == len(handles):  # (no leaf shares a buffer)
+            return leaves
         seen: set[int | None] = set()
         redo = []
         for i, h in zip(tensors, handles, strict=True):
