@@ -228,3 +228,43 @@ def test_back_to_back_calls_without_reading_results_do_not_hang(xla4):
     w = xla4.world_size
     xla4.run(_setup, [(2, 2)] * w)
     assert xla4.run(_back_to_back, [150] * w) == [(2 * w, torch.Size([2, 3]))] * w
+
+
+
+def _alone_call(args):
+    """One to_cpu call on leaves that are data, or pending (the caller's own
+    work, which the call's sync runs); returns its outputs."""
+    name, kwargs, pending = args
+    x = _STATE[xcoll.rank()]["x"]
+    tensors = {k: v.clone() if pending else v for k, v in x["tensors"].items()}
+    tree = {"tensors": tensors, "lr": x["lr"]}
+    if name == "reduce" and kwargs.get("op", "sum") == "sum":
+        tree = _without_bools(tree)
+    return getattr(xcoll, name)(tree, to_cpu=True, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [("gather", {}), ("reduce", {"op": "sum"}), ("reduce", {"op": "max"}), ("broadcast", {})],
+)
+def test_a_world_of_one_to_the_host_runs_no_program_of_its_own(name, kwargs):
+    # Its collectives are identities: the call fetches the leaves (one
+    # transfer) and runs on the host, after the caller's pending work (one
+    # execution, only if there is some).
+    from tests.replicas import shared_pool
+
+    one = shared_pool("xla-cpu-1")
+    one.run(_setup, [(8, 3)])
+    tree = make_tree(0, 8, 3)
+    for pending in (False, True):
+        out: list = []
+        counts = _delta(one, _alone_call, (name, kwargs, pending), out)
+        assert counts["executions"] == int(pending)
+        assert counts["compiles"] <= int(pending)
+        assert counts["transfers_from_device"] == 1
+        got = out[0]["tensors"]
+        for k, want in tree["tensors"].items():
+            if k in got:
+                assert got[k].device.type == "cpu" and torch.equal(got[k], want), k
+        assert len(got) == (6 if name == "reduce" and kwargs["op"] == "sum" else 8)
+        assert out[0]["lr"] == ([0.0] if name == "gather" else 0.0)

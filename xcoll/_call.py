@@ -163,8 +163,11 @@ class Packed(Op):
         """How the collective combines the guard header (:func:`xcoll._guard.size`)."""
         return ""
 
-    def recipe(self, plan: Plan, transport: Transport, guarded: bool) -> _recipe.Recipe:
-        """``plan``'s recipe on ``transport`` (with the guard's header if ``guarded``)."""
+    def recipe(
+        self, plan: Plan, transport: Transport, guarded: bool, to_cpu: bool
+    ) -> _recipe.Recipe:
+        """``plan``'s recipe on ``transport`` (with the guard's header if
+        ``guarded``; outputs to the host if ``to_cpu``)."""
         w = transport.world_size()
         guard = None
         if guarded:
@@ -174,10 +177,13 @@ class Packed(Op):
         # (a large tensor travels alone on eager engines only: on XLA its
         # bytes are in the graph either way)
         alone = 0 if transport.lazy else _TUNING.get().alone
-        return _recipe.recipe(plan, self.kind, w, guard, alone, self.src, self.stack)
+        # (a world of one whose outputs stay on a lazy engine's device runs its
+        # one program: made of copies, it would trace one per leaf)
+        identity = w == 1 and (to_cpu or not transport.lazy)
+        return _recipe.recipe(plan, self.kind, w, guard, alone, self.src, self.stack, identity)
 
     def apply(self, flat, transport, plan, sync, to_cpu, signature):
-        r = self.recipe(plan, transport, signature is not None)
+        r = self.recipe(plan, transport, signature is not None, to_cpu)
         out, agree = _execute.execute(r, flat, transport, signature, sync=sync, to_cpu=to_cpu)
         if not agree:
             _guard.fire(transport, signature, r.src)
@@ -450,5 +456,5 @@ def outcome(
     flat = _tree.flatten(tree)
     transport.validate(flat)
     plan = _prepare(op, flat, transport, True, to_cpu)
-    r = op.recipe(plan, transport, signature is not None)
+    r = op.recipe(plan, transport, signature is not None, to_cpu)
     return _execute.execute(r, flat, transport, signature, to_cpu=to_cpu)

@@ -9,6 +9,12 @@ device with one kernel call, or with ``to_cpu`` on the host after one fetch
 per call (a reduce's results fetched as they arrived, decoded on the host:
 no computation after its collectives).
 
+A world of one (on XLA, one whose outputs go to the host) makes no
+collective: each is an identity, so each output is its leaf's own copy,
+through the op's encoding and back (:func:`_identity`); on XLA the copies
+are the call's one fetch, after its one sync. Packing, a program and a
+split would cost more than everything else the call does.
+
 Everything here reads the recipe; nothing calls back into the op that made
 it. The verdict of a one-sided broadcast (a receiver learns that ``src``'s
 call differs only after taking part in every collective, as ``src`` does) is
@@ -43,7 +49,10 @@ def execute(
     Outputs never require grad and never alias the inputs; Python scalar
     leaves come back as Python values (a gather's, as lists)."""
     with torch.no_grad():
-        out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
+        if r.identity:
+            out, agree = _identity(r, flat, transport, to_cpu), True
+        else:
+            out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
     for i in flat.scalars:
         block = out[i]
         out[i] = (
@@ -52,6 +61,49 @@ def execute(
             else _tree.to_python(block, flat.leaves[i])
         )
     return flat.unflatten(out), agree
+
+
+def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
+    """The output leaves of a world of one (Python scalars as CPU tensors):
+    each its leaf's own copy (fetched from a lazy engine), in the shape the
+    collective gives, through the op's encoding and back (a reduce's NaN is
+    the quiet NaN, its sum's -0.0 is +0.0, as in any world)."""
+    out: list[Any] = [None] * len(flat.leaves)
+    sent = [leaf for b in r.buckets for leaf in b.tensor_leaves]
+    for leaf, copy in zip(sent, _copies(transport, [flat.leaves[i] for i in sent], to_cpu), strict=True):
+        out[leaf] = copy
+    for k, b in enumerate(r.buckets):
+        op = r.ops[k] if r.ops else ""
+        for leaf, shape in zip(b.tensor_leaves, r.shapes[k], strict=False):
+            t = _encoded_and_back(out[leaf], op)
+            out[leaf] = _finish(r, leaf, t if t.shape == shape else t.reshape(shape))
+        for s in b.scalars:
+            value = flat.leaves[s.leaf]
+            out[s.leaf] = _encoded_and_back(
+                torch.tensor([value] if r.kind == "gather" else value, dtype=b.dtype), op
+            )
+    return _empties(r, flat, out, to_cpu)
+
+
+def _copies(transport: Transport, tensors: list[torch.Tensor], to_cpu: bool) -> list[torch.Tensor]:
+    """New contiguous copies of ``tensors`` (on the host with ``to_cpu``): a
+    lazy engine's by its sync (the caller's pending work runs with it) and
+    one transfer, bit for bit."""
+    if transport.lazy:
+        return transport.sync_and_fetch(tensors)
+    return [
+        t.to("cpu" if to_cpu else t.device, copy=True, memory_format=torch.contiguous_format)
+        for t in tensors
+    ]
+
+
+def _encoded_and_back(t: torch.Tensor, op: str) -> torch.Tensor:
+    """A reduce's ``t`` (consumed) as one replica's all-reduce ``op`` gives it."""
+    if not op:
+        return t
+    flat = t if t.dim() == 1 else t.reshape(-1)
+    out = _wire.decode_reduce(_wire.encode_reduce(flat, op, TORCH.bitcast), t.dtype, op, TORCH.bitcast)
+    return out if t.dim() == 1 else out.view(t.shape)
 
 
 def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to_cpu: bool):

@@ -90,6 +90,10 @@ class Recipe:
     stack: bool
     #: The Python scalars of each bucket that has some: (leaf, position in its block).
     scalars: tuple[tuple[tuple[int, int], ...], ...]
+    #: A world of one (outputs to the host, on a lazy engine): every
+    #: collective is an identity, so each output is its leaf's own copy
+    #: (:func:`xcoll._execute.execute`).
+    identity: bool = False
 
     @property
     def gathered(self) -> int | None:
@@ -98,14 +102,21 @@ class Recipe:
 
 
 def recipe(
-    plan: Plan, kind: str, world: int, guard: Guard | None, alone: int, src: int, stack: bool
+    plan: Plan,
+    kind: str,
+    world: int,
+    guard: Guard | None,
+    alone: int,
+    src: int,
+    stack: bool,
+    identity: bool = False,
 ) -> Recipe:
     """``plan``'s recipe (cached on it): with ``guard``'s header, and a move's
     buckets of one tensor of ``alone`` bytes or more (0: none) travelling as
-    themselves."""
-    key = (kind, world, guard, alone, src, stack)
+    themselves; made of copies if ``identity``."""
+    key = (kind, world, guard, alone, src, stack, identity)
     if key not in plan._recipes:
-        plan._recipes[key] = _build(plan, kind, world, guard, alone, src, stack)
+        plan._recipes[key] = _build(plan, kind, world, guard, alone, src, stack, identity)
     return plan._recipes[key]
 
 
@@ -118,7 +129,14 @@ def guard(kind: str, dtype: torch.dtype, how: str, world: int, lazy: bool) -> Gu
 
 
 def _build(
-    plan: Plan, kind: str, world: int, g: Guard | None, alone: int, src: int, stack: bool
+    plan: Plan,
+    kind: str,
+    world: int,
+    g: Guard | None,
+    alone: int,
+    src: int,
+    stack: bool,
+    identity: bool,
 ) -> Recipe:
     b = plan.buckets
     joined = kind != "reduce"
@@ -153,6 +171,7 @@ def _build(
         scalars=tuple(
             tuple((s.leaf, j) for j, s in enumerate(b[k].scalars)) for k in live if b[k].scalars
         ),
+        identity=identity,
     )
 
 

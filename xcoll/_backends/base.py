@@ -16,6 +16,7 @@ Nothing here knows a device type, and this module imports nothing above it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
@@ -168,7 +169,7 @@ class Transport(ABC):
     #: (an all-reduce), rather than delivering ``src``'s.
     broadcast_sums = True
 
-    @property
+    @functools.cached_property
     def group_key(self) -> Hashable:
         """Names this replica's group of replicas within the process (what
         "a replica's first call on a group" is counted by)."""
