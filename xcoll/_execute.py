@@ -99,7 +99,7 @@ def _copies(transport: Transport, tensors: list[torch.Tensor], to_cpu: bool) -> 
 
 def _encoded_and_back(t: torch.Tensor, op: str) -> torch.Tensor:
     """A reduce's ``t`` (consumed) as one replica's all-reduce ``op`` gives it."""
-    if not op:
+    if not op or not t.is_floating_point():  # (integers and bools are their own encoding)
         return t
     flat = t if t.dim() == 1 else t.reshape(-1)
     out = _wire.decode_reduce(_wire.encode_reduce(flat, op, TORCH.bitcast), t.dtype, op, TORCH.bitcast)

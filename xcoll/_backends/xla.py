@@ -567,9 +567,12 @@ class XlaTransport(Transport):
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # Bit for bit: torch_xla's float16 download makes every NaN the canonical
         # one, so a float16 tensor that came back holding NaN is fetched again as
-        # its int16 bits (one small execution, only then).
+        # its int16 bits (one small execution, only then). Data only: torch_xla
+        # gives the copy of a tensor that requires grad requires_grad as well.
         hosts = _xlac.get_cpu_tensors(tensors)
         for k, (t, h) in enumerate(zip(tensors, hosts, strict=True)):
+            if h.requires_grad:
+                hosts[k] = h = h.detach()
             if t.dtype == torch.float16 and bool(torch.isnan(h).any()):
                 bits = self.kernels.bitcast(t, torch.int16)
                 hosts[k] = _xlac.get_cpu_tensors([bits])[0].view(torch.float16)
