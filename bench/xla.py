@@ -152,8 +152,8 @@ def pack_floor_gather(tree: dict) -> Call:
     result fetched in one transfer; no flattening, planning, guard, cutting or
     output tensors. What is left of xcoll.gather(to_cpu=True) above this is
     the work per call that these skip."""
-    from xcoll import _pack
     from xcoll._backends import xla
+    from xcoll._encode import pack as _pack
 
     backend = xla.transport(_device())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -3,7 +3,7 @@ below, each run against its own fast tests at CI's examples.
 
     pip install -e '.[test,mutation]'
     CI=1 python -m tests.mutation                 # every module (hours on 2 cores)
-    CI=1 python -m tests.mutation xcoll/_wire.py  # one module
+    CI=1 python -m tests.mutation xcoll/_encode/wire.py  # one module
     CI=1 python -m tests.mutation --survivors     # again, only what survived last time
     CI=1 python -m tests.mutation --resume        # only what was not run (an interrupted pass)
     CI=1 python -m tests.mutation xcoll/_backends/xla.py --sample 100 --seed 25
@@ -42,11 +42,11 @@ from pathlib import Path
 #: patterns of mutmut's mutant names (``module.x_function__mutmut_N``,
 #: ``module.xǁClassǁmethod__mutmut_N``). Of the XLA backend, its kernels.
 MODULES: dict[str, list[str]] = {
-    "xcoll/_wire.py": ["xcoll._wire.*"],
-    "xcoll/_pack.py": ["xcoll._pack.*"],
-    "xcoll/_codec.py": ["xcoll._codec.*"],
-    "xcoll/_guard.py": ["xcoll._guard.*"],
-    "xcoll/_check.py": ["xcoll._check.*"],
+    "xcoll/_encode/wire.py": ["xcoll._encode.wire.*"],
+    "xcoll/_encode/pack.py": ["xcoll._encode.pack.*"],
+    "xcoll/_encode/codec.py": ["xcoll._encode.codec.*"],
+    "xcoll/_guard/guard.py": ["xcoll._guard.guard.*"],
+    "xcoll/_guard/check.py": ["xcoll._guard.check.*"],
     "xcoll/_backends/base.py": ["xcoll._backends.base.x?Kernels?*"],
     "xcoll/_backends/xla.py": [
         "xcoll._backends.xla.x?XlaKernels?*",
@@ -75,16 +75,16 @@ MODULES: dict[str, list[str]] = {
 #: module is imported (mutmut would credit whichever test imported it first).
 OWNERS: dict[str, list[str]] = {
     "tests/test_kernels.py": ["xcoll._backends.xla.*"],
-    "tests/test_guard.py": ["xcoll._guard.*", "xcoll._check.*"],
+    "tests/test_guard.py": ["xcoll._guard.guard.*", "xcoll._guard.check.*"],
     # (_guard.size is cached: whichever test first asks for a size calls the rest)
-    "tests/test_header.py": ["xcoll._guard.*"],
-    "tests/test_mismatch.py": ["xcoll._guard.*", "xcoll._check.*"],
-    "tests/test_out_of_step.py": ["xcoll._guard.*", "xcoll._check.*"],
+    "tests/test_header.py": ["xcoll._guard.guard.*"],
+    "tests/test_mismatch.py": ["xcoll._guard.guard.*", "xcoll._guard.check.*"],
+    "tests/test_out_of_step.py": ["xcoll._guard.guard.*", "xcoll._guard.check.*"],
     # (which calls are checked in full: "never" ones are not counted)
-    "tests/test_check_state.py": ["xcoll._check.x_due*"],
+    "tests/test_check_state.py": ["xcoll._guard.check.x_due*"],
     # (an uneven leaf's growing dim, "*" in its description line)
-    "tests/test_uneven.py": ["xcoll._check.x_describe*"],
-    "tests/test_wire.py": ["xcoll._wire.x__nan_bits"],  # (xcoll._wire.WINNING_NAN)
+    "tests/test_uneven.py": ["xcoll._guard.check.x_describe*"],
+    "tests/test_wire.py": ["xcoll._encode.wire.x__nan_bits"],  # (xcoll._encode.wire.WINNING_NAN)
 }
 
 # ---- the pytest plugin -----------------------------------------------------------

@@ -47,7 +47,7 @@ def test_a_new_thread_does_not_make_a_first_call_again():
 def _called_keys(_):
     import torch.distributed as dist
 
-    from xcoll import _check
+    from xcoll._guard import check as _check
 
     xcoll.gather(torch.tensor([1]))
     return [k for k in _check._called if any(isinstance(x, dist.ProcessGroup) for x in k)]
@@ -63,7 +63,7 @@ def test_the_first_call_state_holds_no_process_group():
 def _checked_calls(_):
     """The full checks made by a call in mode "never", then by two calls in
     the default mode."""
-    from xcoll import _check
+    from xcoll._guard import check as _check
 
     made = []
     verify = _check.verify
@@ -89,7 +89,7 @@ def test_a_call_in_mode_never_leaves_the_first_check_to_come():
 def _later_object_calls_checked(_):
     """The full checks made by object, barrier and RNG calls after a group's
     first call (checked in full)."""
-    from xcoll import _check
+    from xcoll._guard import check as _check
 
     made = []
     verify = _check.verify

@@ -43,7 +43,7 @@ def _setup(args):
     xcoll.sync()  # inputs become device data, not pending IR
     xcoll.gather(
         xcoll.rank()
-    )  # a replica's first call is checked (xcoll._check): not the measured one
+    )  # a replica's first call is checked (xcoll._guard.check): not the measured one
 
 
 def _wait(tree) -> None:

@@ -64,7 +64,7 @@ EVERY = [
 
 
 def _later(name):
-    assert xcoll._check.mode() == "guard"  # the default
+    assert xcoll._guard.check.mode() == "guard"  # the default
     rank, world = xcoll.rank(), xcoll.world_size()
     dev = device()
     xcoll.gather({"warm": torch.ones(1).to(dev)})  # a consistent earlier call
@@ -114,7 +114,8 @@ def test_a_later_mismatch_raises_on_every_replica(world, name):
 def test_a_calls_summary_names_its_parameters_and_first_lines():
     """The line that messages and the watchdog give a call: its tag and
     parameters, its number of leaves, its description's first three lines."""
-    from xcoll import _check, _guard
+    from xcoll._guard import check as _check
+    from xcoll._guard import guard as _guard
 
     def summary(n: int, tag: str = "") -> str:
         lines = [f"tree[{i}]: float32 tensor of shape (2)" for i in range(n)]
@@ -137,7 +138,8 @@ def test_a_calls_summary_names_its_parameters_and_first_lines():
 
 
 def test_the_watchdogs_diagnosis_names_the_call_and_what_to_do():
-    from xcoll import _check, _guard
+    from xcoll._guard import check as _check
+    from xcoll._guard import guard as _guard
 
     lines = ("tree['x']: float32 tensor of shape (2)", "structure: PyTreeSpec({'x': *})")
     description = _check.Description(lines)
@@ -156,7 +158,10 @@ def test_the_watchdogs_diagnosis_names_the_call_and_what_to_do():
 def test_a_world_of_one_starts_no_watch_and_sends_no_header():
     # nothing to wait for: a slow call (a first compile) must not print that
     # it waits for the other replicas; no replica to disagree with: no guard
-    from xcoll import _backends, _check, _guard, _watchdog
+    from xcoll import _backends
+    from xcoll._guard import check as _check
+    from xcoll._guard import guard as _guard
+    from xcoll._guard import watchdog as _watchdog
 
     before = next(_watchdog._ids)
     assert xcoll.reduce({"x": torch.ones(2)})["x"].tolist() == [1.0, 1.0]
@@ -185,7 +190,7 @@ class _flipped_fingerprints:
     (two fingerprints are SHA-256 digests)."""
 
     def __enter__(self):
-        from xcoll import _guard
+        from xcoll._guard import guard as _guard
 
         with _install_lock:
             if not _installed[0]:
@@ -204,7 +209,7 @@ class _flipped_fingerprints:
             _installed[0] += 1
 
     def __exit__(self, *exc):
-        from xcoll import _guard
+        from xcoll._guard import guard as _guard
 
         _FLIP.bit = None
         with _install_lock:
@@ -362,7 +367,8 @@ def _overlap(t, error: Exception | None) -> dict:
     call within its own call first: allowed), then the first leaves (raising
     ``error``, if given), then a third call enters: what each raised. Entered
     as public calls are, in mode "never": no check, no collective."""
-    from xcoll import _check, _guard
+    from xcoll._guard import check as _check
+    from xcoll._guard import guard as _guard
 
     def entry(name):
         return _guard.entered(t, name, "", _check.Description(()))
@@ -407,8 +413,9 @@ def _exclusive_messages(_):
     ending normally, then with an error of its own."""
     import torch.distributed as dist
 
-    from xcoll import _check, _guard
     from xcoll._backends.dist import DistTransport
+    from xcoll._guard import check as _check
+    from xcoll._guard import guard as _guard
 
     groups = [dist.new_group(), dist.new_group()]
     t = DistTransport(None, groups[0])

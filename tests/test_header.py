@@ -18,8 +18,10 @@ from hypothesis import example, given, settings
 
 import xcoll
 from tests.replicas import shared_pool
-from xcoll import _guard, _tree, _wire
 from xcoll._backends.base import TORCH
+from xcoll._core import tree as _tree
+from xcoll._encode import wire as _wire
+from xcoll._guard import guard as _guard
 
 _REDUCED = sorted(_tree.SUPPORTED_DTYPES, key=str)  # every dtype a reduce takes
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}

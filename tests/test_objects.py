@@ -124,7 +124,7 @@ def _n(k: int) -> bytes:
     ],
 )
 def test_the_encoding_is_the_documented_format(obj, encoding):
-    """One encoding per value, the one xcoll._codec's docstring describes:
+    """One encoding per value, the one xcoll._encode.codec's docstring describes:
     replicas compare encodings byte for byte (barrier tags)."""
     assert xcoll.encode_object(obj) == encoding
     assert same_bits(xcoll.decode_object(encoding), obj)

@@ -336,7 +336,7 @@ def test_after_an_overlap_an_xla_replica_makes_no_more_collectives():
 def _stderr_and_watchdog(after: float):
     """Captures what the watchdog prints (it resolves sys.stderr when it
     prints), with its delay shortened to ``after`` seconds."""
-    from xcoll import _watchdog
+    from xcoll._guard import watchdog as _watchdog
 
     saved, err = (_watchdog.AFTER, sys.stderr), io.StringIO()
     _watchdog.AFTER, sys.stderr = after, err

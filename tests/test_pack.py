@@ -1,4 +1,4 @@
-"""The packing plan (xcoll._pack), in-process: where each leaf lies in its
+"""The packing plan (xcoll._encode.pack), in-process: where each leaf lies in its
 bucket's buffer, and where each bucket lies in a move's one buffer."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import example, given, settings
 
-from xcoll import _pack
+from xcoll._encode import pack as _pack
 
 _DTYPES = [torch.float32, torch.float16, torch.int64, torch.int8, torch.bool]
 
@@ -126,7 +126,7 @@ _SIZES = [0, 1, 7, 100, 32767, 32768, 32769, 40000]
 )
 def test_concat_copies_every_part_in_order_whatever_its_size(sizes, dtype):
     """Parts copied together up to torch's grain and a larger part alone
-    (:func:`xcoll._pack.fill`): the concatenation of them all, whatever the sizes."""
+    (:func:`xcoll._encode.pack.fill`): the concatenation of them all, whatever the sizes."""
     g = torch.Generator().manual_seed(len(sizes))
     parts = [(torch.randint(0, 100, (n,), generator=g)).to(dtype) for n in sizes]
     parts = [

@@ -19,18 +19,26 @@ ROOT = pathlib.Path(xcoll.__file__).parent
 
 
 LAYERS = [
-    ["xcoll._memo", "xcoll._pack", "xcoll._wire", "xcoll._codec", "xcoll._watchdog", "xcoll._steps"],
-    ["xcoll._tree"],
+    ["xcoll._core", "xcoll._guard", "xcoll._encode"],  # (a docstring each, no imports)
+    [
+        "xcoll._core.memo",
+        "xcoll._encode.pack",
+        "xcoll._encode.wire",
+        "xcoll._encode.codec",
+        "xcoll._guard.watchdog",
+        "xcoll._guard.steps",
+    ],
+    ["xcoll._core.tree"],
     ["xcoll._backends.base", "xcoll._backends._xlac", "xcoll._backends._launch"],
     ["xcoll._backends.xla", "xcoll._backends.dist"],
     ["xcoll._backends"],
-    ["xcoll._exchange"],
-    ["xcoll._check"],
-    ["xcoll._guard"],
-    ["xcoll._recipe"],
-    ["xcoll._execute"],
-    ["xcoll._call"],
-    ["xcoll._uneven", "xcoll._samples"],
+    ["xcoll._guard.exchange"],
+    ["xcoll._guard.check"],
+    ["xcoll._guard.guard"],
+    ["xcoll._core.recipe"],
+    ["xcoll._core.execute"],
+    ["xcoll._core.call"],
+    ["xcoll._core.uneven", "xcoll._samples"],
     ["xcoll._collectives"],
     ["xcoll._objects", "xcoll._rng"],
 ]
@@ -189,7 +197,7 @@ class _CountFlattens:
 def test_each_call_flattens_its_tree_once(monkeypatch, call, mode):
     # the first call plans (and describes) the tree, the second finds the plan cached
     tree = {"a": torch.ones(3), "b": {"c": torch.ones(2, 2), "d": 2.5}}
-    xcoll._call._plans._values.clear()
+    xcoll._core.call._plans._values.clear()
     counter = _CountFlattens(monkeypatch, tree)
     with xcoll.consistency_checks(mode):
         call(tree)

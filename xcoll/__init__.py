@@ -10,15 +10,15 @@ broadcast (one per dtype and op for a reduce), one sync.
 {'loss': tensor([2.]), 'count': 3}
 """
 
-from ._check import CollectiveMismatchError, consistency_checks
-from ._codec import decode as decode_object
-from ._codec import encode as encode_object
 from ._collectives import broadcast, gather, rank, reduce, sync, world_size
-from ._guard import ConcurrentCallError
+from ._encode.codec import decode as decode_object
+from ._encode.codec import encode as encode_object
+from ._guard.check import CollectiveMismatchError, consistency_checks
+from ._guard.guard import ConcurrentCallError
+from ._guard.steps import step
 from ._objects import barrier, broadcast_object, gather_object
 from ._rng import rng_state, set_rng_state, sync_rng_state
 from ._samples import by_index
-from ._steps import step
 
 __all__ = [
     "gather",

@@ -1,7 +1,7 @@
 """The public collectives: ``gather``, ``reduce``, ``broadcast``, and the
 replica's ``rank``, ``world_size`` and ``sync``.
 
-Each is one :func:`xcoll._call.call` of its op (``_call``); uneven gathers are
+Each is one :func:`xcoll._core.call.call` of its op (``_call``); uneven gathers are
 ``_uneven``'s.
 """
 
@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _backends, _call, _uneven, _watchdog
+from . import _backends
+from ._core import call as _call
+from ._core import uneven as _uneven
+from ._guard import watchdog as _watchdog
 
 
 def gather(

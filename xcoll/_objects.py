@@ -13,8 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _backends, _call, _check, _codec, _exchange, _guard, _pack
+from . import _backends
 from ._backends.base import Transport
+from ._core import call as _call
+from ._encode import codec as _codec
+from ._encode import pack as _pack
+from ._guard import check as _check
+from ._guard import exchange as _exchange
+from ._guard import guard as _guard
 
 
 def _encode_or_error(obj: Any) -> tuple[bytes | None, Exception | None]:
@@ -33,7 +39,7 @@ def _raise_for(failed: list[int], mine: Exception | None, what: str) -> None:
 def _entered(
     name: str, head: str, group: Any, tag: Any, error: Exception | None = None
 ) -> tuple[Transport, _guard.entered]:
-    """The call's entry (:func:`xcoll._guard.entered`) on its transport."""
+    """The call's entry (:func:`xcoll._guard.guard.entered`) on its transport."""
     transport = _backends.current(group)
     description = _check.Description(())
     return transport, _guard.entered(transport, name, head, description, error, tag=tag)

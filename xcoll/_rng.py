@@ -23,8 +23,11 @@ from typing import Any, cast
 import optree
 import torch
 
-from . import _backends, _call, _check, _guard
+from . import _backends
 from ._backends.base import Transport
+from ._core import call as _call
+from ._guard import check as _check
+from ._guard import guard as _guard
 
 
 def _numpy() -> ModuleType | None:

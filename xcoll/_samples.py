@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import _tree
+from ._core import tree as _tree
 
 
 def by_index(tree: Any, index: torch.Tensor, *, dim: int = 0, length: int | None = None) -> Any:

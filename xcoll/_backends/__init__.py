@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._tree import Flat
+from .._core.tree import Flat
 from ._launch import launch_hint, without_group
 from .base import LocalTransport, Transport
 

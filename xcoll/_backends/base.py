@@ -23,8 +23,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from .. import _pack, _wire
-from .._tree import Flat
+from .._core.tree import Flat
+from .._encode import pack as _pack
+from .._encode import wire as _wire
 
 
 class EngineError(RuntimeError):
@@ -36,8 +37,8 @@ class Kernels:
     """Packing kernels in torch ops that every device lowers.
 
     ``parts`` are a bucket's tensors (any shape; a reduce's merged bucket
-    mixes dtypes, :func:`xcoll._call.merged`), ``shapes`` their shapes,
-    ``sizes`` a bucket's slot sizes (:attr:`xcoll._pack.Bucket.sizes`).
+    mixes dtypes, :func:`xcoll._core.call.merged`), ``shapes`` their shapes,
+    ``sizes`` a bucket's slot sizes (:attr:`xcoll._encode.pack.Bucket.sizes`).
     """
 
     def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -58,7 +59,7 @@ class Kernels:
     def join(self, segments: Sequence[Sequence[torch.Tensor]], joined: _pack.Joined) -> torch.Tensor:
         """A move's segments (the header's part, then each live bucket's parts,
         in ``joined``'s order) as the bytes of one new int32 buffer of
-        ``joined.words`` words (:class:`xcoll._pack.Joined`). The bytes are
+        ``joined.words`` words (:class:`xcoll._encode.pack.Joined`). The bytes are
         copied as they are, so every dtype moves bit for bit."""
         out = torch.empty(joined.words, dtype=torch.int32, device=segments[0][0].device)
         raw = out.view(torch.uint8)
@@ -76,9 +77,9 @@ class Kernels:
     ) -> list[torch.Tensor]:
         """Inverse of :meth:`join` on the collective's result: each segment
         1-d, as its dtype (with ``wire``, as its integer wire form, for
-        :func:`xcoll._wire.decode_move` after a download). With ``world`` (a
+        :func:`xcoll._encode.wire.decode_move` after a download). With ``world`` (a
         gather's ``(world * words,)`` result) each slot's ``(world, size)``
-        block is contiguous, in slot order (:func:`xcoll._pack.slot_major`):
+        block is contiguous, in slot order (:func:`xcoll._encode.pack.slot_major`):
         a gathered leaf is then one reshape away."""
         raw = result.view(torch.uint8)
         w = world or 1
@@ -99,7 +100,7 @@ class Kernels:
         ops: Sequence[str],
     ) -> list[torch.Tensor]:
         """Each bucket's ``parts`` packed (:meth:`pack`) in the form whose
-        all-reduce ``op`` gives the result (:func:`xcoll._wire.encode_reduce`)."""
+        all-reduce ``op`` gives the result (:func:`xcoll._encode.wire.encode_reduce`)."""
         packed = self.pack(parts, shapes, dtypes)
         return [_wire.encode_reduce(b, op, self.bitcast) for b, op in zip(packed, ops, strict=True)]
 
@@ -112,7 +113,7 @@ class Kernels:
         world: int,
     ) -> list[torch.Tensor]:
         """Inverse of :meth:`encode_reduce` on the all-reduced buffers, means
-        divided by ``world`` (:func:`xcoll._wire.decode_reduce`)."""
+        divided by ``world`` (:func:`xcoll._encode.wire.decode_reduce`)."""
         return [
             _wire.decode_reduce(o, d, op, self.bitcast, m, world)
             for o, d, op, m in zip(outs, dtypes, ops, means, strict=True)

@@ -35,7 +35,10 @@ import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from .. import _memo, _pack, _tree, _wire
+from .._core import memo as _memo
+from .._core import tree as _tree
+from .._encode import pack as _pack
+from .._encode import wire as _wire
 from . import _xlac
 from ._launch import launch_hint
 from .base import Kernels, Transport

@@ -20,7 +20,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _memo
+from . import memo as _memo
 
 #: Tensor dtypes every backend can move exactly. (Complex and the unsigned
 #: 16/32/64-bit types are refused rather than half supported.)

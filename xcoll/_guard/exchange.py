@@ -14,8 +14,8 @@ import hashlib
 
 import torch
 
-from . import _pack
-from ._backends.base import Transport
+from .._backends.base import Transport
+from .._encode import pack as _pack
 
 
 def bytes_tensor(data: bytes, size: int) -> torch.Tensor:

@@ -4,9 +4,9 @@ unflatten.
 
 Each collective is a small :class:`Op` object (:class:`Gather`,
 :class:`Reduce`, :class:`Broadcast`): its parameters, how it is described,
-validated and planned (:class:`xcoll._recipe.Plan`). A call then takes the
-plan's :class:`xcoll._recipe.Recipe` for its engine and mode, and
-:func:`xcoll._execute.execute` runs it straight through. :func:`call` is what
+validated and planned (:class:`xcoll._core.recipe.Plan`). A call then takes the
+plan's :class:`xcoll._core.recipe.Recipe` for its engine and mode, and
+:func:`xcoll._core.execute.execute` runs it straight through. :func:`call` is what
 a public function runs; :func:`run` and :func:`outcome` are what xcoll's own
 modules run on trees they built themselves (no check: the public call that
 made them was checked).
@@ -24,9 +24,17 @@ from typing import Any, cast
 
 import torch
 
-from . import _backends, _check, _execute, _guard, _memo, _pack, _recipe, _tree, _wire
-from ._backends.base import Transport
-from ._recipe import Plan
+from .. import _backends
+from .._backends.base import Transport
+from .._encode import pack as _pack
+from .._encode import wire as _wire
+from .._guard import check as _check
+from .._guard import guard as _guard
+from . import execute as _execute
+from . import memo as _memo
+from . import recipe as _recipe
+from . import tree as _tree
+from .recipe import Plan
 
 OPS = ("sum", "mean", "max", "min", "prod")
 
@@ -151,7 +159,7 @@ class Op(ABC):
 
 
 class Packed(Op):
-    """A collective that moves packed buckets (:mod:`xcoll._execute`)."""
+    """A collective that moves packed buckets (:mod:`xcoll._core.execute`)."""
 
     #: The recipe's kind: "gather", "reduce" or "broadcast".
     kind: str
@@ -160,7 +168,7 @@ class Packed(Op):
     stack: bool = False
 
     def how(self, plan: Plan, transport: Transport) -> str:
-        """How the collective combines the guard header (:func:`xcoll._guard.size`)."""
+        """How the collective combines the guard header (:func:`xcoll._guard.guard.size`)."""
         return ""
 
     def recipe(
@@ -391,7 +399,7 @@ def call(
     plan taken from the cache (or built, which validates), the consistency
     check when due (a local error is shared with every replica), then run
     with the guard (``_guard``) unless the mode is "never". ``tag``: the
-    call's own step tag (:mod:`xcoll._steps`)."""
+    call's own step tag (:mod:`xcoll._guard.steps`)."""
     flat = transport = plan = error = None
     try:
         flat = _tree.flatten(tree)
@@ -452,7 +460,7 @@ def outcome(
 ) -> tuple[Any, bool]:
     """As :func:`run`, and the verdict instead of its error where the verdict
     is one-sided (a receiver of gloo's broadcast: see
-    :func:`xcoll._execute.execute`), for a caller whose protocol goes on."""
+    :func:`xcoll._core.execute.execute`), for a caller whose protocol goes on."""
     flat = _tree.flatten(tree)
     transport.validate(flat)
     plan = _prepare(op, flat, transport, True, to_cpu)

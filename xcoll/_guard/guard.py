@@ -57,8 +57,14 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import _check, _exchange, _memo, _steps, _tree, _watchdog, _wire
-from ._backends.base import TORCH, EngineError, Transport
+from .._backends.base import TORCH, EngineError, Transport
+from .._core import memo as _memo
+from .._core import tree as _tree
+from .._encode import wire as _wire
+from . import check as _check
+from . import exchange as _exchange
+from . import steps as _steps
+from . import watchdog as _watchdog
 
 BITS = 64
 #: The most replicas whose header sums are exact in every dtype (8-bit integers
@@ -73,7 +79,7 @@ class Signature:
     name: str
     head: str
     description: _check.Description
-    #: The call's step tag (:mod:`xcoll._steps`), "" for an untagged call.
+    #: The call's step tag (:mod:`xcoll._guard.steps`), "" for an untagged call.
     tag: str = ""
 
     def fingerprint(self) -> bytes:
@@ -289,7 +295,7 @@ ConcurrentCallError.__module__ = "xcoll"
 
 class entered:
     """A public call's entry, around everything it does: :class:`exclusive`
-    on its group, its step tag (:mod:`xcoll._steps`), the watchdog, the full
+    on its group, its step tag (:mod:`xcoll._guard.steps`), the watchdog, the full
     check when due (raising the call's local ``error``, shared with every
     replica), and, on the way out, the engine's failure to complete a
     collective in xcoll's words. The block's value is the call's

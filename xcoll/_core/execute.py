@@ -1,4 +1,4 @@
-"""The executor: one call's :class:`~xcoll._recipe.Recipe`, run straight
+"""The executor: one call's :class:`~xcoll._core.recipe.Recipe`, run straight
 through: pack, collectives, verdict, unpack, outputs.
 
 A move (gather, broadcast) joins every bucket's bytes into one buffer (one
@@ -28,9 +28,12 @@ from typing import Any
 
 import torch
 
-from . import _guard, _pack, _tree, _wire
-from ._backends.base import TORCH, Kernels, Transport
-from ._recipe import Recipe
+from .._backends.base import TORCH, Kernels, Transport
+from .._encode import pack as _pack
+from .._encode import wire as _wire
+from .._guard import guard as _guard
+from . import tree as _tree
+from .recipe import Recipe
 
 
 def execute(

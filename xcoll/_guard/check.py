@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _exchange, _tree
-from ._backends.base import Transport
+from .._backends.base import Transport
+from .._core import tree as _tree
+from . import exchange as _exchange
 
 MODES = ("guard", "always", "never")
 _local = threading.local()  # the mode set by consistency_checks, per thread

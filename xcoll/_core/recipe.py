@@ -1,8 +1,8 @@
 """What a call does, decided once per signature: the op's :class:`Plan`, and
-the :class:`Recipe` that :mod:`xcoll._execute` runs straight through.
+the :class:`Recipe` that :mod:`xcoll._core.execute` runs straight through.
 
 A plan depends on the op's parameters, the world size and the tree's
-signature (:attr:`xcoll._tree.Flat.key`); a recipe adds what the engine and
+signature (:attr:`xcoll._core.tree.Flat.key`); a recipe adds what the engine and
 the mode decide: the guard header (its dtype, how the collective combines it,
 its size and when its verdict is read), which buckets travel, joined or alone,
 and every shape, cast and mean range the executor needs. Both are frozen and
@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from . import _check, _guard, _pack
+from .._encode import pack as _pack
+from .._guard import check as _check
+from .._guard import guard as _guard
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -26,7 +28,7 @@ Shapes = tuple[tuple[int, ...], ...]
 @dataclass(frozen=True)
 class Plan:
     """How one op moves one kind of tree (built once per op parameters, world
-    size and :attr:`xcoll._tree.Flat.key`, then reused; building validates the
+    size and :attr:`xcoll._core.tree.Flat.key`, then reused; building validates the
     call, so a call that raises leaves nothing behind)."""
 
     buckets: list[_pack.Bucket]
@@ -46,10 +48,10 @@ class Plan:
 
 @dataclass(frozen=True)
 class Guard:
-    """A call's guard header (:mod:`xcoll._guard`)."""
+    """A call's guard header (:mod:`xcoll._guard.guard`)."""
 
     dtype: torch.dtype
-    #: How the collective combines it (:func:`xcoll._guard.size`).
+    #: How the collective combines it (:func:`xcoll._guard.guard.size`).
     how: str
     size: int
     #: When the verdict is read: "first" (eager engines: the first
@@ -61,7 +63,7 @@ class Guard:
 
 @dataclass(frozen=True)
 class Recipe:
-    """Everything :func:`xcoll._execute.execute` does, per live bucket (those
+    """Everything :func:`xcoll._core.execute.execute` does, per live bucket (those
     that travel: with elements, or carrying the header)."""
 
     #: "gather", "reduce" or "broadcast".
@@ -92,7 +94,7 @@ class Recipe:
     scalars: tuple[tuple[tuple[int, int], ...], ...]
     #: A world of one (outputs to the host, on a lazy engine): every
     #: collective is an identity, so each output is its leaf's own copy
-    #: (:func:`xcoll._execute.execute`).
+    #: (:func:`xcoll._core.execute.execute`).
     identity: bool = False
 
     @property

@@ -30,7 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _call, _check, _pack, _recipe, _tree
+from .._encode import pack as _pack
+from .._guard import check as _check
+from . import call as _call
+from . import recipe as _recipe
+from . import tree as _tree
 
 _MAX_DIMS = 8
 

@@ -1,0 +1,8 @@
+"""The guard layer: how replicas that disagree are caught. The per-call guard
+header and its verdict, and a public call's entry (:mod:`~xcoll._guard.guard`),
+the full consistency check (:mod:`~xcoll._guard.check`), small exchanges run on
+their own (:mod:`~xcoll._guard.exchange`), the watchdog
+(:mod:`~xcoll._guard.watchdog`) and step tags (:mod:`~xcoll._guard.steps`).
+
+Nothing is imported here: the modules import each other and the other layers,
+and an import here would make a cycle."""
