@@ -198,6 +198,12 @@ class Packed(Op):
         return out
 
 
+def gather_params(dim: Any, stack: bool, uneven: bool, max_size: int | None) -> str:
+    """A gather's parameters, even or uneven, as its call's head names them
+    (:meth:`Op.head`: one text, so that the check compares the two kinds)."""
+    return f"dim={dim} stack={stack} uneven={uneven} max_size={max_size}"
+
+
 @dataclass(frozen=True)
 class Gather(Packed):
     dim: int = 0
@@ -206,10 +212,7 @@ class Gather(Packed):
     kind = "gather"
 
     def head(self, sync, to_cpu):
-        return (
-            f"dim={self.dim} stack={self.stack} uneven=False max_size=None "
-            f"to_cpu={to_cpu} sync={sync}"
-        )
+        return f"{gather_params(self.dim, self.stack, False, None)} {super().head(sync, to_cpu)}"
 
     def validate(self, flat, transport, sync, to_cpu):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
@@ -367,7 +370,7 @@ class Broadcast(Packed):
     kind = "broadcast"
 
     def head(self, sync, to_cpu):
-        return f"src={self.src} to_cpu={to_cpu} sync={sync}"
+        return f"src={self.src} {super().head(sync, to_cpu)}"
 
     def validate(self, flat, transport, sync, to_cpu):
         super().validate(flat, transport, sync, to_cpu)

@@ -72,7 +72,7 @@ def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
     collective gives, through the op's encoding and back (a reduce's NaN is
     the quiet NaN, its sum's -0.0 is +0.0, as in any world)."""
     out: list[Any] = [None] * len(flat.leaves)
-    sent = [leaf for b in r.buckets for leaf in b.tensor_leaves]
+    sent = r.tensor_leaves
     for leaf, copy in zip(sent, _copies(transport, [flat.leaves[i] for i in sent], to_cpu), strict=True):
         out[leaf] = copy
     for k, b in enumerate(r.buckets):

@@ -12,6 +12,7 @@ call reads them straight through.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,11 @@ class Recipe:
     #: collective is an identity, so each output is its leaf's own copy
     #: (:func:`xcoll._core.execute.execute`).
     identity: bool = False
+
+    @functools.cached_property
+    def tensor_leaves(self) -> tuple[int, ...]:
+        """The tensor leaves that travel, bucket after bucket."""
+        return tuple(leaf for b in self.buckets for leaf in b.tensor_leaves)
 
     @property
     def gathered(self) -> int | None:

@@ -75,10 +75,8 @@ class UnevenGather(_call.Op):
     name = "xcoll.gather"
 
     def head(self, sync, to_cpu):
-        return (
-            f"dim={self.dim} stack={self.stack} uneven=True max_size={self.max_size} "
-            f"to_cpu={to_cpu} sync={sync}"
-        )
+        params = _call.gather_params(self.dim, self.stack, True, self.max_size)
+        return f"{params} {super().head(sync, to_cpu)}"
 
     def validate(self, flat, transport, sync, to_cpu):
         if self.stack or not sync:
