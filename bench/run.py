@@ -6,7 +6,7 @@ On W XLA:CPU replicas (threads of one process), on one (gathers only) and on W
 gloo processes, for trees
 of ``--leaves`` leaves of mixed dtypes and shapes (:mod:`bench.trees`), it
 times every method of :mod:`bench.xla` and :mod:`bench.gloo` (median seconds per
-call on rank 0, after warm-up) and counts per call and per replica: graph
+call on rank 0, after warm-up; a small call's methods in turn, call by call) and counts per call and per replica: graph
 executions and compilations, collective ops traced, and device-to-host
 transfers (torch_xla's metrics), or process-group collectives (the torch
 profiler's ``gloo:`` events); then the peak memory of one call on a leaf of 1
@@ -14,8 +14,8 @@ GiB (:mod:`bench.memory`; 64 MiB with ``--quick``). It writes ``results.json``, 
 tables, with each peer's time over xcoll's) and ``results.png`` (time per call
 against leaves, log-log) to ``--out``.
 
-``--quick`` (1, 8 and 64 leaves, fewer repeats) checks that everything runs, in
-well under 3 minutes on a 2-core machine (about 70 s); its numbers are not the
+``--quick`` (1 and 8 leaves, fewer repeats) checks that everything runs, in
+well under 2 minutes on a 2-core machine (about 70 s); its numbers are not the
 ones to quote, so it writes to a temporary directory unless ``--out`` is given.
 """
 
@@ -48,6 +48,27 @@ def _xla_cell(args: tuple[str, str, int, int]) -> tuple[list[float], dict]:
 
     op, method, n, repeats = args
     return _time(xla.METHODS[op][method](xla.tree_for(n, op)), repeats), {}
+
+
+def _alternating(args: tuple[str, str, int, int]) -> list[list[float]]:
+    """Every method of a small call's cell (backend "xla" or "gloo", op,
+    leaves, repeats), timed call by call in turn, so that each sees the same
+    conditions: on 2 cores a gloo call's time drifts by 2x over seconds, more
+    than the ratios these cells are judged by."""
+    from bench import gloo, xla
+
+    backend, op, n, repeats = args
+    if backend == "xla":
+        calls = [make(xla.tree_for(n, op)) for make in xla.METHODS[op].values()]
+    else:
+        calls = [make(gloo.tree_for(n, False, op)) for make in gloo.METHODS[op].values()]
+    for call in calls:
+        _time(call, 3)
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for call, t in zip(calls, times, strict=True):
+            t.extend(_time(call, 1))
+    return times
 
 
 def _gloo_cell(args: tuple[str, str, int, int]) -> tuple[list[float], dict]:
@@ -99,6 +120,8 @@ def _cells(runner: Runner, pool, backend: str, methods: dict, cell, log, counter
     out = []
     for op, by_name in methods.items():
         for n in [SMALL[op]] if op in SMALL else runner.leaves:
+            if op in SMALL:
+                alternating = _alternate(runner, pool, backend, op, n)
             for method in by_name:
                 (warm, _), repeats, (times, counts), c0, c1 = runner.measure(
                     pool, cell, (op, method, n), counters
@@ -111,7 +134,9 @@ def _cells(runner: Runner, pool, backend: str, methods: dict, cell, log, counter
                         "op": op,
                         "method": method,
                         "leaves": n,
-                        "median_ms": 1e3 * statistics.median(times),
+                        "median_ms": 1e3 * statistics.median(
+                            alternating[method] if op in SMALL else times
+                        ),
                         "first_ms": 1e3 * warm[0],
                         "repeats": repeats,
                         **counts,
@@ -121,14 +146,26 @@ def _cells(runner: Runner, pool, backend: str, methods: dict, cell, log, counter
     return out
 
 
+def _alternate(runner: Runner, pool, backend: str, op: str, n: int) -> dict[str, list[float]]:
+    """A small call's times per method, measured in turn (:func:`_alternating`):
+    the cells' medians. The first call and the counts come from each method's
+    own run, as for the other cells."""
+    from bench import gloo, xla
+
+    methods = (xla if backend.startswith("XLA") else gloo).METHODS[op]
+    key = "xla" if backend.startswith("XLA") else "gloo"
+    times = pool.run(_alternating, [(key, op, n, runner.most * 10)] * pool.world_size)[0]
+    return dict(zip(methods, times, strict=True))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1, 8 and 64 leaves, fewer repeats")
+    p.add_argument("--quick", action="store_true", help="1 and 8 leaves, fewer repeats")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--leaves", type=int, nargs="+")
     p.add_argument("--out", type=Path, help="default: bench/ (--quick: a temporary directory)")
     a = p.parse_args(argv)
-    leaves = a.leaves or ([1, 8, 64] if a.quick else [1, 8, 64, 256, 1024])
+    leaves = a.leaves or ([1, 8] if a.quick else [1, 8, 64, 256, 1024])
     if a.out is None:
         a.out = Path(tempfile.mkdtemp(prefix="xcoll-bench-")) if a.quick else Path(__file__).parent
     runner = Runner(leaves, 0.5, 5) if a.quick else Runner(leaves, 3.0, 30)
