@@ -1,10 +1,11 @@
 """Cost of xcoll's guard, of its full consistency check and of planning an op tree.
 
-    python -m bench.check [--replicas 4] [--repeats 50]
+    python -m bench.check [--replicas 4] [--repeats 50] [--leaves 8 256]
 
 Times, in one run, median ms per call on rank 0:
 
-* ``xcoll.gather`` of float32 leaves of shape (8, 16) (8 and 256 leaves) with
+* ``xcoll.gather`` of float32 leaves of shape (8, 16) (8 and 256 leaves, or
+  ``--leaves``) with
   the guard and the check off (``"never"``), with the guard (``"guard"``, the
   default) and with the check on every call (``"always"``), on XLA:CPU replicas
   (``--replicas``) and on gloo processes (``--replicas`` and 2), with the
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--leaves", type=int, nargs="+", default=[8, 256])
     a = p.parse_args(argv)
     w, n = a.replicas, a.repeats
     print("float32 (8, 16) leaves; median ms per call on rank 0 (gather: to_cpu=True)\n")
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         calls = ["gather"] + (["reduce-sum", "broadcast"] if pool.world_size == w else [])
         with pool:
             for what in calls:
-                for leaves in (8, 256):
+                for leaves in a.leaves:
                     modes = ("never", "guard", "always")
                     variants = tuple((what, m) for m in modes)
                     (never, guard, always), _ = _time(pool, (variants, leaves, n), False)

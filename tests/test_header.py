@@ -32,16 +32,20 @@ def _fingerprint(k: int) -> bytes:
 
 
 def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> list[bool]:
-    """Per replica (one fingerprint each), whether its guard passes."""
+    """Per replica (one fingerprint each), whether its guard passes. (Each
+    distinct fingerprint's header is built, encoded and read once: at W=255
+    most replicas share one.)"""
     w = len(prints)
-    headers = [_guard._build(p, dtype, kind, how, w) for p in prints]
+    distinct = list(dict.fromkeys(prints))
+    headers = {p: _guard._build(p, dtype, kind, how, w) for p in distinct}
     if kind == "reduce":
-        wires = [_wire.encode_reduce(h.part.clone(), how, TORCH.bitcast) for h in headers]
+        encoded = {p: _wire.encode_reduce(h.part.clone(), how, TORCH.bitcast) for p, h in headers.items()}
     else:
-        wires = [_wire.encode_move(h.part, TORCH.bitcast) for h in headers]
+        encoded = {p: _wire.encode_move(h.part, TORCH.bitcast) for p, h in headers.items()}
+    wires = [encoded[p] for p in prints]
     if kind == "gather":
-        result = torch.stack(wires)
-        return [_guard.as_bytes(result) == h.wire for h in headers]
+        got = _guard.as_bytes(torch.stack(wires))
+        return [got == headers[p].wire for p in prints]
     # (one element at a time, in the wire dtype: an integer sum wraps as the engine's)
     result = functools.reduce(_COMBINE["sum" if kind == "broadcast" else how], wires)
     decoded = (
@@ -49,10 +53,11 @@ def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> l
         if kind == "reduce"
         else _wire.decode_move(result, dtype, TORCH.bitcast)
     )
-    wire_ok = [_guard.as_bytes(result) == h.wire for h in headers]
-    decoded_ok = [_guard.as_bytes(decoded) == h.decoded for h in headers]
+    got, got_decoded = _guard.as_bytes(result), _guard.as_bytes(decoded)
+    wire_ok = {p: got == h.wire for p, h in headers.items()}
+    decoded_ok = {p: got_decoded == h.decoded for p, h in headers.items()}
     assert wire_ok == decoded_ok  # (eager engines read the one, lazy ones the other)
-    return wire_ok
+    return [wire_ok[p] for p in prints]
 
 
 def _ops(dtype: torch.dtype) -> list[str]:
