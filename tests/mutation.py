@@ -51,6 +51,10 @@ MODULES: dict[str, list[str]] = {
     "xcoll/_backends/xla.py": [
         "xcoll._backends.xla.x?XlaKernels?*",
         *(
+            f"xcoll._backends.xla.x?{c}?*"
+            for c in ("Bitcast", "EncodeReduce", "Join", "Unjoin", "DecodeReduce", "Split", "Keep")
+        ),
+        *(
             f"xcoll._backends.xla.x_{f}__mutmut_*"
             for f in (
                 "_join",

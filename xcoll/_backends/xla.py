@@ -28,6 +28,8 @@ import itertools
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch_xla
@@ -86,11 +88,6 @@ def sync(device: torch.device | None = None) -> None:
     with SYNC_LOCK:
         _xlac.step(device)
     _xlac.wait_device(device)
-
-
-def _apply(name: str, key: tuple, build, inputs: Sequence[torch.Tensor]) -> list:
-    """The computation ``build()`` (cached under ``key``) applied to ``inputs``."""
-    return _xlac.user_computation(f"xla::xcoll_{name}", inputs, _computations.get(key, build))
 
 
 def _join(ops, shapes):
@@ -218,6 +215,195 @@ def _decode_reduce(op, dtype: torch.dtype, how: str, means, divisor):
     return _quiet(op)
 
 
+@dataclass(frozen=True)
+class _Computation:
+    """An XLA computation xcoll applies to tensors, as the frozen data that
+    builds it: its fields are everything its :meth:`body` reads, and with them
+    the shapes and dtypes of the inputs it takes, so a computation is its own
+    cache key. Applied, it is one node of the traced graph."""
+
+    #: The computation's name in the graph (``xla::xcoll_...``).
+    NAME: ClassVar[str]
+
+    def body(self, *params: xb.Op) -> xb.Op:
+        raise NotImplementedError
+
+    def build(self, inputs: Sequence[torch.Tensor]):
+        return xb.create_computation(self.NAME, self.body, [xb.tensor_shape(t) for t in inputs])
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        computation = _computations.get(self, self.build, inputs)
+        return _xlac.user_computation(f"xla::{self.NAME}", inputs, computation)
+
+
+@dataclass(frozen=True)
+class Bitcast(_Computation):
+    """A tensor of ``shape`` and ``dtype``, its bits seen as ``to``."""
+
+    NAME = "xcoll_bitcast"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    to: torch.dtype
+
+    def body(self, *params):
+        return params[0].bitcast(_XLA_TYPES[self.to])
+
+
+@dataclass(frozen=True)
+class EncodeReduce(_Computation):
+    """:meth:`Kernels.encode_reduce`: each bucket's parts (of dtypes ``own``,
+    in order) packed and encoded, one output per bucket."""
+
+    NAME = "xcoll_encode_reduce"
+    dtypes: tuple[torch.dtype, ...]
+    ops: tuple[str, ...]
+    own: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]
+
+    def body(self, *params):
+        out, at = [], 0
+        for dtype, how, bucket_shapes in zip(self.dtypes, self.ops, self.shapes, strict=True):
+            n = len(bucket_shapes)
+            # (a narrower part, widened exactly: bool as 0/1)
+            typed = [
+                q if d == dtype else q.cast(_XLA_TYPES[dtype])
+                for q, d in zip(params[at : at + n], self.own[at : at + n], strict=True)
+            ]
+            at += n
+            # Bits become integers before the join: XLA:CPU may canonicalise
+            # NaN payloads when it copies floats (bfloat16).
+            wire = _join([_encode(q, dtype) for q in typed], bucket_shapes)
+            out.append(_encode_reduce(_decode(wire, dtype), dtype, how))
+        return xb.Op.tuple(out)
+
+
+@dataclass(frozen=True)
+class Join(_Computation):
+    """:meth:`Kernels.join`: the parts with elements (empty parts have no
+    bytes, so they are no parameters), in ``joined``'s order."""
+
+    NAME = "xcoll_join"
+    joined: _pack.Joined
+
+    def body(self, *params):
+        joined, raw, at = self.joined, [], 0
+        counts = [sum(1 for n in sizes if n) for sizes in joined.sizes]
+        for dtype, k, n, padded in zip(joined.dtypes, counts, joined.nbytes, joined.padded, strict=True):
+            # joined in the wire dtype, then seen as bytes once per segment
+            wire = [_encode(q, dtype) for q in params[at : at + k]]
+            at += k
+            segment = _bytes(_join(wire, [q.shape().sizes for q in wire]))
+            if padded > n:
+                zero = xb.Op.scalar(params[0].builder(), 0, dtype=xb.Type.U8)
+                segment = xb.Op.concat_in_dim([segment, zero.broadcast([padded - n])], 0)
+            raw.append(segment)
+        raw = xb.Op.concat_in_dim(raw, 0) if len(raw) > 1 else raw[0]
+        return xb.Op.tuple([raw.reshape([joined.words, 4]).bitcast(xb.Type.S32)])
+
+
+@dataclass(frozen=True)
+class Unjoin(_Computation):
+    """:meth:`Kernels.unjoin` of a result of ``world`` rows (1: a broadcast's)."""
+
+    NAME = "xcoll_unjoin"
+    joined: _pack.Joined
+    world: int
+    wire: bool
+
+    def body(self, *params):
+        joined, w = self.joined, self.world
+        rows = params[0].reshape([w, joined.words])
+        out, col = [], 0
+        for dtype, sizes, n, padded in zip(
+            joined.dtypes, joined.sizes, joined.nbytes, joined.padded, strict=True
+        ):
+            # cut out as whole words, reinterpreted, regrouped in its dtype
+            words = rows.slice_in_dim(col, col + padded // 4, 1)
+            col += padded // 4
+            raw = words.bitcast(xb.Type.U8).reshape([w, padded]).slice_in_dim(0, n, 1)
+            typed = _typed(raw, _wire.wire_dtype(dtype))  # (w, elements)
+            seg = _slot_major(typed, w, sizes) if w > 1 else typed.reshape([typed.shape().sizes[1]])
+            out.append(seg if self.wire else _decode(seg, dtype))
+        return xb.Op.tuple(out)
+
+
+@dataclass(frozen=True)
+class DecodeReduce(_Computation):
+    """:meth:`Kernels.decode_reduce` of all-reduced buffers of ``lengths``
+    in their wire dtypes ``wires``; then W as a (1,) parameter per dtype in
+    :attr:`divided` (XLA turns a division by a constant into a multiplication
+    by its reciprocal, which is not correctly rounded when W is not a power
+    of two)."""
+
+    NAME = "xcoll_decode_reduce"
+    dtypes: tuple[torch.dtype, ...]
+    ops: tuple[str, ...]
+    means: tuple[tuple[tuple[int, int], ...], ...]
+    lengths: tuple[int, ...]
+    wires: tuple[torch.dtype, ...]
+
+    @property
+    def divided(self) -> list[torch.dtype]:
+        """The wire dtypes that a mean is divided in, one divisor each."""
+        return sorted({o for o, m in zip(self.wires, self.means, strict=True) if m}, key=str)
+
+    def body(self, *params):
+        n = len(self.wires)
+        by_dtype = dict(zip(self.divided, params[n:], strict=True))
+        return xb.Op.tuple(
+            [
+                _decode_reduce(p, d, how, m, by_dtype.get(o))
+                for p, o, d, how, m in zip(
+                    params[:n], self.wires, self.dtypes, self.ops, self.means, strict=True
+                )
+            ]
+        )
+
+
+@dataclass(frozen=True)
+class Split(_Computation):
+    """:meth:`Kernels.split` of 1-d buffers of ``dtypes``: each cut into
+    pieces of ``shapes``, each cast back to its leaf's dtype (``casts``,
+    None where it is the bucket's)."""
+
+    NAME = "xcoll_split"
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]
+    casts: tuple[tuple[torch.dtype | None, ...], ...]
+
+    def body(self, *params):
+        pieces = []
+        for p, bucket_shapes, bucket_casts in zip(params, self.shapes, self.casts, strict=True):
+            offset = 0
+            for shape, dtype in zip(bucket_shapes, bucket_casts, strict=True):
+                n = _pack.numel(shape)
+                piece = p.slice_in_dim(offset, offset + n, 0).reshape(list(shape))
+                pieces.append(piece if dtype is None else _cast_back(piece, dtype))
+                offset += n
+        return xb.Op.tuple(pieces)
+
+
+@dataclass(frozen=True)
+class Keep(_Computation):
+    """A broadcast's wire on one replica: kept where the (1,) mask (the first
+    parameter) is true, zeros elsewhere; its first ``guard`` elements (the
+    header, which every replica adds to) kept on every replica."""
+
+    NAME = "xcoll_keep"
+    dtype: torch.dtype
+    length: int
+    guard: int
+
+    def body(self, *params):
+        (mask, wire), n, guard = params, self.length, self.guard
+        kept = mask.reshape([]).broadcast([n - guard])
+        rest = wire.slice_in_dim(guard, n, 0)
+        rest = kept.select(rest, rest.zeros_like())
+        if not guard:
+            return rest
+        return xb.Op.concat_in_dim([wire.slice_in_dim(0, guard, 0), rest], 0)
+
+
 # (device, dtype, W) -> W as a (1,) device tensor (uploaded once; a 1-d upload
 # is never shared with another value).
 _divisors: _memo.Memo[torch.Tensor] = _memo.Memo(locked=True)
@@ -230,166 +416,49 @@ def _divisor(device: torch.device, dtype: torch.dtype, world: int) -> torch.Tens
 
 class XlaKernels(Kernels):
     """:class:`Kernels` as XLA computations: each call is one node of the traced
-    graph, cached by shapes (every torch call a replica thread makes can hand
-    the GIL to another replica; at W=4 on 2 cores the calls, not the work, were
-    most of a call's time). They lower the same operations as the torch
+    graph, cached by what builds it (every torch call a replica thread makes can
+    hand the GIL to another replica; at W=4 on 2 cores the calls, not the work,
+    were most of a call's time). They lower the same operations as the torch
     kernels, bit for bit (tested)."""
 
     def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        def build():
-            return xb.create_computation(
-                "xcoll_bitcast", lambda p: p.bitcast(_XLA_TYPES[dtype]), [xb.tensor_shape(t)]
-            )
-
-        return _apply("bitcast", ("bitcast", tuple(t.shape), t.dtype, dtype), build, [t])[0]
+        return Bitcast(tuple(t.shape), t.dtype, dtype)([t])[0]
 
     def encode_reduce(self, parts, shapes, dtypes, ops):
         # packed and encoded in one computation: one graph node per call
         flat = [t for p in parts for t in p]
-        own = [t.dtype for t in flat]
-
-        def build():
-            def encode(*params):
-                out, at = [], 0
-                for dtype, how, bucket_shapes in zip(dtypes, ops, shapes, strict=True):
-                    n = len(bucket_shapes)
-                    # (a narrower part, widened exactly: bool as 0/1)
-                    typed = [
-                        q if d == dtype else q.cast(_XLA_TYPES[dtype])
-                        for q, d in zip(params[at : at + n], own[at : at + n], strict=True)
-                    ]
-                    at += n
-                    # Bits become integers before the join: XLA:CPU may
-                    # canonicalise NaN payloads when it copies floats (bfloat16).
-                    wire = _join([_encode(q, dtype) for q in typed], bucket_shapes)
-                    out.append(_encode_reduce(_decode(wire, dtype), dtype, how))
-                return xb.Op.tuple(out)
-
-            return xb.create_computation(
-                "xcoll_encode_reduce", encode, [xb.tensor_shape(t) for t in flat]
-            )
-
-        key = (
-            "encode_reduce",
-            tuple(dtypes),
-            tuple(ops),
-            tuple(own),
-            tuple(tuple(s) for s in shapes),
-        )
-        return _apply("encode_reduce", key, build, flat)
+        own = tuple(t.dtype for t in flat)
+        shapes = tuple(tuple(s) for s in shapes)
+        return EncodeReduce(tuple(dtypes), tuple(ops), own, shapes)(flat)
 
     def join(self, segments, joined):
-        # (empty parts have no bytes, so they are no parameters: read from the
-        # layout, which is the computation's key)
         flat = list(itertools.chain.from_iterable(segments))
-        if joined.empty:
+        if joined.empty:  # (empty parts are no parameters)
             flat = [
                 t
                 for k, seg in enumerate(segments)
                 for j, t in enumerate(seg)
                 if (k, j) not in joined.empty
             ]
-
-        def build():
-            counts = [sum(1 for n in sizes if n) for sizes in joined.sizes]
-
-            def join(*params):
-                raw, at = [], 0
-                for dtype, k, n, padded in zip(
-                    joined.dtypes, counts, joined.nbytes, joined.padded, strict=True
-                ):
-                    # joined in the wire dtype, then seen as bytes once per segment
-                    wire = [_encode(q, dtype) for q in params[at : at + k]]
-                    at += k
-                    segment = _bytes(_join(wire, [q.shape().sizes for q in wire]))
-                    if padded > n:
-                        zero = xb.Op.scalar(params[0].builder(), 0, dtype=xb.Type.U8)
-                        segment = xb.Op.concat_in_dim([segment, zero.broadcast([padded - n])], 0)
-                    raw.append(segment)
-                raw = xb.Op.concat_in_dim(raw, 0) if len(raw) > 1 else raw[0]
-                return xb.Op.tuple([raw.reshape([joined.words, 4]).bitcast(xb.Type.S32)])
-
-            return xb.create_computation("xcoll_join", join, [xb.tensor_shape(t) for t in flat])
-
-        return _apply("join", ("join", joined), build, flat)[0]
+        return Join(joined)(flat)[0]
 
     def unjoin(self, result, joined, world, wire=False):
-        w = world or 1
-
-        def build():
-            def unjoin(p):
-                rows = p.reshape([w, joined.words])
-                out, col = [], 0
-                for dtype, sizes, n, padded in zip(
-                    joined.dtypes, joined.sizes, joined.nbytes, joined.padded, strict=True
-                ):
-                    # cut out as whole words, reinterpreted, regrouped in its dtype
-                    words = rows.slice_in_dim(col, col + padded // 4, 1)
-                    col += padded // 4
-                    raw = words.bitcast(xb.Type.U8).reshape([w, padded]).slice_in_dim(0, n, 1)
-                    typed = _typed(raw, _wire.wire_dtype(dtype))  # (w, elements)
-                    if w > 1:
-                        seg = _slot_major(typed, w, sizes)
-                    else:
-                        seg = typed.reshape([typed.shape().sizes[1]])
-                    out.append(seg if wire else _decode(seg, dtype))
-                return xb.Op.tuple(out)
-
-            return xb.create_computation("xcoll_unjoin", unjoin, [xb.tensor_shape(result)])
-
-        return _apply("unjoin", ("unjoin", joined, w, wire), build, [result])
+        return Unjoin(joined, world or 1, wire)([result])
 
     def decode_reduce(self, outs, dtypes, ops, means, world):
-        # W as data, one (1,) tensor per dtype that a mean is divided in
-        divided = sorted({o.dtype for o, m in zip(outs, means, strict=True) if m}, key=str)
-        divisors = [_divisor(outs[0].device, d, world) for d in divided]
-
-        def build():
-            def decode(*params):
-                by_dtype = dict(zip(divided, params[len(outs) :], strict=True))
-                return xb.Op.tuple(
-                    [
-                        _decode_reduce(p, d, how, m, by_dtype.get(o.dtype))
-                        for p, o, d, how, m in zip(
-                            params[: len(outs)], outs, dtypes, ops, means, strict=True
-                        )
-                    ]
-                )
-
-            shapes = [xb.tensor_shape(t) for t in [*outs, *divisors]]
-            return xb.create_computation("xcoll_decode_reduce", decode, shapes)
-
-        key = (
-            "decode_reduce",
-            tuple(dtypes),
-            tuple(ops),
-            tuple(tuple(m) for m in means),
-            world,
-            tuple(o.shape[0] for o in outs),
-        )
-        return _apply("decode_reduce", key, build, [*outs, *divisors])
+        wires = tuple(o.dtype for o in outs)
+        means = tuple(tuple(m) for m in means)
+        lengths = tuple(o.shape[0] for o in outs)
+        decode = DecodeReduce(tuple(dtypes), tuple(ops), means, lengths, wires)
+        divisors = [_divisor(outs[0].device, d, world) for d in decode.divided]
+        return decode([*outs, *divisors])
 
     def split(self, flats, shapes, casts=None):
         if not any(shapes):  # (torch_xla builds no tuple of no pieces)
             return [[] for _ in shapes]
         casts = tuple(map(tuple, casts)) if casts else tuple((None,) * len(s) for s in shapes)
-
-        def build():
-            def cut(*params):
-                pieces = []
-                for p, bucket_shapes, bucket_casts in zip(params, shapes, casts, strict=True):
-                    offset = 0
-                    for shape, dtype in zip(bucket_shapes, bucket_casts, strict=True):
-                        n = _pack.numel(shape)
-                        piece = p.slice_in_dim(offset, offset + n, 0).reshape(list(shape))
-                        pieces.append(piece if dtype is None else _cast_back(piece, dtype))
-                        offset += n
-                return xb.Op.tuple(pieces)
-
-            return xb.create_computation("xcoll_split", cut, [xb.tensor_shape(f) for f in flats])
-
-        key = ("split", tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes), casts)
-        pieces = _apply("split", key, build, flats)
+        split = Split(tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes), casts)
+        pieces = split(flats)
         ends = list(itertools.accumulate(len(b) for b in shapes))
         return [pieces[a:z] for a, z in zip([0, *ends], ends, strict=False)]
 
@@ -537,23 +606,7 @@ class XlaTransport(Transport):
         # the guard header, which every replica adds to. The mask is uploaded
         # data, so every replica traces the same graph.
         is_src = self.upload(torch.tensor([self.rank() == src]))
-
-        def build():
-            def keep(mask, wire):
-                n = wire.shape().sizes[0]
-                kept = mask.reshape([]).broadcast([n - guard])
-                rest = wire.slice_in_dim(guard, n, 0)
-                rest = kept.select(rest, rest.zeros_like())
-                if not guard:
-                    return rest
-                return xb.Op.concat_in_dim([wire.slice_in_dim(0, guard, 0), rest], 0)
-
-            return xb.create_computation(
-                "xcoll_keep", keep, [xb.tensor_shape(is_src), xb.tensor_shape(buf)]
-            )
-
-        key = ("keep", buf.dtype, buf.shape[0], guard)
-        kept = _apply("keep", key, build, [is_src, buf])[0]
+        kept = Keep(buf.dtype, buf.shape[0], guard)([is_src, buf])[0]
         return self.all_reduce(kept, "sum")
 
     def sync(self) -> None:

@@ -17,8 +17,8 @@ V = TypeVar("V")
 
 
 class Memo(Generic[V]):
-    """``get(key, build)``: the value for ``key``, built by ``build()`` on first
-    use. A build that raises stores nothing. With ``locked``, one replica thread
+    """``get(key, build, *args)``: the value for ``key``, built by
+    ``build(*args)`` on first use. A build that raises stores nothing. With ``locked``, one replica thread
     builds a key while the others wait for it (for values worth building once)."""
 
     def __init__(self, limit: int = 1024, *, locked: bool = False):
@@ -26,19 +26,19 @@ class Memo(Generic[V]):
         self._limit = limit
         self._lock = threading.Lock() if locked else None
 
-    def get(self, key: Hashable, build: Callable[[], V]) -> V:
+    def get(self, key: Hashable, build: Callable[..., V], *args: object) -> V:
         try:
             value = self._values.get(key)
         except TypeError:  # unhashable
-            return build()
+            return build(*args)
         if value is None:
             if self._lock is None:
-                value = self._store(key, build())
+                value = self._store(key, build(*args))
             else:
                 with self._lock:
                     value = self._values.get(key)
                     if value is None:
-                        value = self._store(key, build())
+                        value = self._store(key, build(*args))
         return value
 
     def _store(self, key: Hashable, value: V) -> V:
