@@ -202,6 +202,22 @@ def test_bench_check_runs_and_reports_the_guard_costs_no_execution():
     assert re.search(r'op="sum" [0-9.]+ ms, a dict of 64 ops [0-9.]+ ms', result.stdout)
 
 
+def test_bench_outputs_reports_a_compile_per_output_count():
+    pytest.importorskip("torch_xla")
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.outputs", "--outputs", "1", "8", "--calls", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if re.match(r"\| \d", line)]
+    assert [int(r[0]) for r in rows] == [1, 8]
+    for r in rows:  # a first call, a compile (each N is a new program), a time per call
+        assert all(float(x) > 0 for x in r[1:]), r
+
+
 def readme_pool_example() -> str:
     text = README.read_text().split("## Testing your own distributed code")[1]
     return text.split("```python\n", 1)[1].split("```", 1)[0]

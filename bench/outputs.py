@@ -1,0 +1,62 @@
+"""What each output tensor of one XLA program costs on XLA:CPU.
+
+    python -m bench.outputs [--outputs 1 256 1024] [--calls 20]
+
+Runs one XLA:CPU replica in this process (W=1) and, for each ``--outputs`` N,
+applies one XLA computation that cuts a buffer of N * 128 float32 into N
+outputs of shape (8, 16) (what ``xcoll.reduce`` or ``xcoll.broadcast`` with
+device outputs does with the leaves of a tree), then syncs. It prints the
+first call's time and torch_xla's compile time, and the median time per call
+after it (the computation applied, the graph run, its outputs waited for).
+
+Why it is here: at 1024 leaves, device outputs cost more than the targets of
+issue 22 allow (bench/results.md); this shows that the cost is one compiled
+kernel and one tensor per output, and so grows with the leaves, whatever
+the rest of the call does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--outputs", type=int, nargs="+", default=[1, 256, 1024])
+    p.add_argument("--calls", type=int, default=20)
+    a = p.parse_args(argv)
+
+    from xcoll.testing import xla_cpu_env
+
+    os.environ.update(xla_cpu_env(1))
+    import torch
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from xcoll._backends.xla import Split, sync
+
+    device = torch_xla.device()
+    print("| outputs | first call s | compile s | median ms per call |")
+    print("|---:|---:|---:|---:|")
+    for n in a.outputs:
+        buf = torch.randn(n * 128).to(device)
+        sync()
+        split = Split((torch.float32,), (((8, 16),) * n,), ((None,) * n,))
+        compiled = met.metric_data("CompileTime")
+        before = compiled[1] if compiled else 0.0
+        times = []
+        for _ in range(1 + a.calls):
+            t0 = time.perf_counter()
+            outs = split([buf])
+            sync()  # (runs the graph and waits for it)
+            times.append(time.perf_counter() - t0)
+        compile_s = (met.metric_data("CompileTime")[1] - before) / 1e9
+        assert len(outs) == n
+        print(f"| {n} | {times[0]:.2f} | {compile_s:.2f} | {1e3 * statistics.median(times[1:]):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
