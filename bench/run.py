@@ -58,10 +58,8 @@ def _alternating(args: tuple[str, str, int, int]) -> list[list[float]]:
     from bench import gloo, xla
 
     backend, op, n, repeats = args
-    if backend == "xla":
-        calls = [make(xla.tree_for(n, op)) for make in xla.METHODS[op].values()]
-    else:
-        calls = [make(gloo.tree_for(n, False, op)) for make in gloo.METHODS[op].values()]
+    tree = xla.tree_for(n, op) if backend == "xla" else gloo.tree_for(n, False, op)
+    calls = [make(tree) for make in _methods(backend)[op].values()]
     for call in calls:
         _time(call, 3)
     times: list[list[float]] = [[] for _ in calls]
@@ -69,6 +67,13 @@ def _alternating(args: tuple[str, str, int, int]) -> list[list[float]]:
         for call, t in zip(calls, times, strict=True):
             t.extend(_time(call, 1))
     return times
+
+
+def _methods(backend: str) -> dict:
+    """``bench.xla.METHODS`` or ``bench.gloo.METHODS`` ("xla" or "gloo")."""
+    from bench import gloo, xla
+
+    return (xla if backend == "xla" else gloo).METHODS
 
 
 def _gloo_cell(args: tuple[str, str, int, int]) -> tuple[list[float], dict]:
@@ -120,8 +125,8 @@ def _cells(runner: Runner, pool, backend: str, methods: dict, cell, log, counter
     out = []
     for op, by_name in methods.items():
         for n in [SMALL[op]] if op in SMALL else runner.leaves:
-            if op in SMALL:
-                alternating = _alternate(runner, pool, backend, op, n)
+            # (a small call's medians: its methods timed in turn)
+            in_turn = _alternate(runner, pool, backend, op, n) if op in SMALL else {}
             for method in by_name:
                 (warm, _), repeats, (times, counts), c0, c1 = runner.measure(
                     pool, cell, (op, method, n), counters
@@ -134,9 +139,7 @@ def _cells(runner: Runner, pool, backend: str, methods: dict, cell, log, counter
                         "op": op,
                         "method": method,
                         "leaves": n,
-                        "median_ms": 1e3 * statistics.median(
-                            alternating[method] if op in SMALL else times
-                        ),
+                        "median_ms": 1e3 * statistics.median(in_turn.get(method, times)),
                         "first_ms": 1e3 * warm[0],
                         "repeats": repeats,
                         **counts,
@@ -150,12 +153,9 @@ def _alternate(runner: Runner, pool, backend: str, op: str, n: int) -> dict[str,
     """A small call's times per method, measured in turn (:func:`_alternating`):
     the cells' medians. The first call and the counts come from each method's
     own run, as for the other cells."""
-    from bench import gloo, xla
-
-    methods = (xla if backend.startswith("XLA") else gloo).METHODS[op]
     key = "xla" if backend.startswith("XLA") else "gloo"
     times = pool.run(_alternating, [(key, op, n, runner.most * 10)] * pool.world_size)[0]
-    return dict(zip(methods, times, strict=True))
+    return dict(zip(_methods(key)[op], times, strict=True))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -18,8 +18,9 @@ V = TypeVar("V")
 
 class Memo(Generic[V]):
     """``get(key, build, *args)``: the value for ``key``, built by
-    ``build(*args)`` on first use. A build that raises stores nothing. With ``locked``, one replica thread
-    builds a key while the others wait for it (for values worth building once)."""
+    ``build(*args)`` on first use. A build that raises stores nothing. With
+    ``locked``, one replica thread builds a key while the others wait for it
+    (for values worth building once)."""
 
     def __init__(self, limit: int = 1024, *, locked: bool = False):
         self._values: dict[Hashable, V] = {}
