@@ -81,8 +81,8 @@ def _traced(args):
     tree = {"tensors": state["x"]["tensors"]}
     if name == "reduce" and kwargs.get("op", "sum") == "sum":
         tree = _without_bools(tree)
-    # (the default mode first checks a sync=False call in full, in a graph of
-    # its own: test_sync_false_joins_the_callers_step counts it)
+    # (the guard's header adds no collective: the mode only keeps the counts
+    # of the group's first call, checked in full, out of this one)
     with xcoll.consistency_checks("never"):
         out = getattr(xcoll, name)(tree, sync=False, **kwargs)
     hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(out["tensors"].values()))
@@ -200,15 +200,15 @@ def _traced_ops(_):
 
 @pytest.mark.parametrize("mode", ["guard", "never"])
 def test_sync_false_joins_the_callers_step(xla4, mode):
-    # The guard cannot be read before the caller's sync, so the default mode
-    # checks a sync=False call in full first: one small execution of its own
-    # (and its fetch); the call itself joins the caller's step either way.
+    # The call joins the caller's step: one execution per replica. Its guard
+    # is read after the caller's sync (a step closure): one transfer of the
+    # header, which is data by then, and no execution.
     w = xla4.world_size
     xla4.run(_setup, [(4, 7)] * w)
     _delta(xla4, _step, mode)
     k = 2 if mode == "guard" else 1
     assert _delta(xla4, _step, mode) == {
-        "executions": k * w,
+        "executions": w,
         "compiles": 0,
         "transfers_from_device": k * w,
     }

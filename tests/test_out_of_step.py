@@ -69,8 +69,9 @@ def test_a_replica_that_skips_a_tagged_call_makes_every_replica_raise(world, how
 def _tagged(sync: bool):
     rank = xcoll.rank()
     x = torch.ones(2).to(device())
-    try:  # (sync=False on XLA: no guard header, the call is checked in full)
+    try:  # (sync=False on XLA: the guard is read after the caller's sync)
         xcoll.gather({"x": x}, tag="eval" if rank == 0 else "train", sync=sync)
+        xcoll.sync()
     except xcoll.CollectiveMismatchError as e:
         return str(e)
     return "no error"

@@ -39,6 +39,7 @@ LAYERS = [
     ["xcoll._core.execute"],
     ["xcoll._core.call"],
     ["xcoll._core.uneven", "xcoll._samples"],
+    ["xcoll._core.grad"],
     ["xcoll._collectives"],
     ["xcoll._objects", "xcoll._rng"],
 ]

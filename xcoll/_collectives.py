@@ -11,6 +11,7 @@ from typing import Any
 
 from . import _backends
 from ._core import call as _call
+from ._core import grad as _grad
 from ._core import uneven as _uneven
 from ._guard import watchdog as _watchdog
 
@@ -26,6 +27,7 @@ def gather(
     max_size: int | None = None,
     group: Any = None,
     tag: str | int | None = None,
+    grad: bool = False,
 ) -> Any:
     """Every replica's leaves, concatenated along ``dim`` in rank order.
 
@@ -101,10 +103,10 @@ def gather(
     {'x': tensor([1, 2]), 'n': [3]}
     """
     if uneven or max_size is not None:
-        op: _call.Op = _uneven.UnevenGather(dim, max_size, stack)
+        op: _call.Op = _uneven.UnevenGather(dim, max_size, stack, grad)
     else:
-        op = _call.Gather(dim, stack)
-    return _call.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+        op = _call.Gather(dim, stack, grad)
+    return _grad.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
 
 def reduce(
@@ -115,6 +117,7 @@ def reduce(
     to_cpu: bool = False,
     group: Any = None,
     tag: str | int | None = None,
+    grad: bool = False,
 ) -> Any:
     """The elementwise reduction of every replica's leaves.
 
@@ -160,7 +163,7 @@ def reduce(
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
     {'loss': tensor(0.5000), 'n': 4}
     """
-    return _call.call(_call.Reduce(op), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    return _grad.call(_call.Reduce(op, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
 
 def broadcast(
@@ -171,6 +174,7 @@ def broadcast(
     to_cpu: bool = False,
     group: Any = None,
     tag: str | int | None = None,
+    grad: bool = False,
 ) -> Any:
     """Replica ``src``'s leaves, bit for bit, on every replica.
 
@@ -209,7 +213,8 @@ def broadcast(
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
     {'seed': 7, 'w': tensor([1., 1.])}
     """
-    return _call.call(_call.Broadcast(src), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    op = _call.Broadcast(src, grad)
+    return _grad.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
 
 def rank(group: Any = None) -> int:

@@ -123,23 +123,59 @@ _SYNC_AS_IS = any(os.environ.get(v) not in (None, "", "0", "false", "False") for
 
 def step(device: torch.device) -> None:
     """``torch_xla.sync()`` from the thread whose default device is
-    ``device``: runs its pending graph (asynchronously), then the step
-    closures registered for it, and clears its collective token. Replaces
-    ``torch_xla.sync()``, which also reads the environment, the ordinal and
-    the metrics settings on every call (a third of a small call's host work
-    at W=4); where one of its debugging settings is set, it runs itself."""
+    ``device``, but for its step closures: runs the pending graph
+    (asynchronously) and clears the collective token. The closures are
+    :func:`run_step_closures`' to run, once the caller has released the lock
+    that it holds around this call: a closure that reads a result of the
+    execution waits for it, and with it for every replica's collectives,
+    which the other replicas cannot reach while they wait for that lock.
+    Replaces ``torch_xla.sync()``, which also reads the environment, the
+    ordinal and the metrics settings on every call (a third of a small call's
+    host work at W=4); where one of its debugging settings is set, it runs
+    itself, with the device's step closures held back."""
+    name = str(device)
     if _SYNC_AS_IS:
+        context = _device_context(name)
+        held, context.step_closures = getattr(context, "step_closures", None) or [], []
         torch_xla.sync()
+        context.step_closures = held + (getattr(context, "step_closures", None) or [])
         return
+    _binding("_xla_step_marker")(name, [], wait=False)
+    _binding("_set_all_reduce_token")(name, None)
+
+
+def run_step_closures() -> None:
+    """Runs the step closures registered for this thread's device (after
+    :func:`step`, outside the lock). Replaces the part of ``torch_xla.sync()``
+    that runs them."""
     import torch_xla.core.xla_model as xm
 
-    name = str(device)
-    _binding("_xla_step_marker")(name, [], wait=False)
     closures = getattr(xm, "_run_step_closures", None)
     if closures is None:
         raise RuntimeError(_MISSING.format(name="core.xla_model._run_step_closures"))
     closures()
-    _binding("_set_all_reduce_token")(name, None)
+
+
+def add_step_closure(device: torch.device, closure: Any) -> None:
+    """Has ``closure()`` run after ``device``'s next step, as
+    ``xm.add_step_closure(closure)`` does from a thread whose default device
+    is ``device``; this names the device, so a call traced on another thread
+    (autograd runs a backward on a thread of its own per device) registers
+    it for the replica's own step."""
+    context = _device_context(str(device))
+    closures = getattr(context, "step_closures", None)
+    if closures is None:
+        closures = context.step_closures = []
+    closures.append(closure)
+
+
+def _device_context(name: str) -> Any:
+    import torch_xla.core.xla_model as xm
+
+    get = getattr(xm, "_get_device_context", None)
+    if get is None:
+        raise RuntimeError(_MISSING.format(name="core.xla_model._get_device_context"))
+    return get(name)
 
 
 def sync_only(tensors: Sequence[torch.Tensor]) -> None:

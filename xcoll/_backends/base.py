@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -118,6 +118,11 @@ class Kernels:
             _wire.decode_reduce(o, d, op, self.bitcast, m, world)
             for o, d, op, m in zip(outs, dtypes, ops, means, strict=True)
         ]
+
+    def keep(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A new tensor: ``t`` where the ``(1,)`` bool ``mask`` is true, zeros
+        where it is false (NaN and infinities included)."""
+        return torch.where(mask, t.reshape(-1), torch.zeros_like(t).reshape(-1)).reshape(t.shape)
 
     def split(
         self,
@@ -224,6 +229,12 @@ class Transport(ABC):
 
     def sync(self) -> None:
         """Runs everything traced so far (no-op for eager engines)."""
+
+    def after_sync(self, closure: Callable[[], None]) -> None:
+        """Has ``closure()`` run after the caller's next sync has run what is
+        pending (lazy engines; it runs outside any lock, so it may read
+        results and communicate)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no graph: nothing waits for a sync")
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """CPU copies of ``tensors``, fetched together."""

@@ -120,13 +120,19 @@ class Op(ABC):
     """A collective call's kind: how it is described, validated and planned."""
 
     name: str
+    #: Whether the call is differentiable (``grad=True``, :mod:`xcoll._core.grad`).
+    grad: bool = False
 
     def head(self, sync: bool, to_cpu: bool) -> str:
         """The call's parameters, as the consistency check compares them."""
-        return f"to_cpu={to_cpu} sync={sync}"
+        return f"to_cpu={to_cpu} sync={sync}" + (" grad=True" if self.grad else "")
 
     def validate(self, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> None:
         """Checks of the call's arguments that are not cached with the plan."""
+        if self.grad and to_cpu:
+            raise ValueError(
+                "grad=True needs to_cpu=False: gradients flow back to the leaves' device"
+            )
         if sync:
             return
         if to_cpu:
@@ -208,6 +214,7 @@ def gather_params(dim: Any, stack: bool, uneven: bool, max_size: int | None) -> 
 class Gather(Packed):
     dim: int = 0
     stack: bool = False
+    grad: bool = False
     name = "xcoll.gather"
     kind = "gather"
 
@@ -255,12 +262,13 @@ class Gather(Packed):
 @dataclass(frozen=True)
 class Reduce(Packed):
     op: Any = "sum"
+    grad: bool = False
     name = "xcoll.reduce"
     kind = "reduce"
 
     def key(self, flat, world):
         # (the plan reads the tuning: a plan never outlives the value it was made with)
-        return ("reduce", _tree.prefix_key(self.op), world, _TUNING.get(), flat.key)
+        return ("reduce", _tree.prefix_key(self.op), self.grad, world, _TUNING.get(), flat.key)
 
     def plan(self, flat, world):
         ops = _tree.broadcast_prefix(self.op, flat, "op")
@@ -281,6 +289,11 @@ class Reduce(Packed):
             if ops[i] not in table:
                 raise TypeError(
                     f"{flat.path(i)}: op {ops[i]!r} is not defined for {dtype}; {_REFUSED[ops[i]]}"
+                )
+            if self.grad and dtype.is_floating_point and ops[i] not in ("sum", "mean"):
+                raise ValueError(
+                    f"{flat.path(i)}: op {ops[i]!r} has no gradient in xcoll (grad=True "
+                    "differentiates sum and mean); reduce this leaf in a call without grad"
                 )
             keys.append((dtype, table[ops[i]]))
         keys = merged(flat, keys)
@@ -366,6 +379,7 @@ def _ranges(bucket: _pack.Bucket, leaves: frozenset[int]) -> tuple[tuple[int, in
 @dataclass(frozen=True)
 class Broadcast(Packed):
     src: int = 0
+    grad: bool = False
     name = "xcoll.broadcast"
     kind = "broadcast"
 
@@ -417,15 +431,10 @@ def call(
             if error is None:
                 raise
             raise error from None
-    # A lazy engine's results exist only after the caller's own sync: the
-    # guard cannot be read in time, so such a call is checked in full first.
     head = op.head(sync, to_cpu)
     description = None if plan is None else plan.description
-    unread = transport.lazy and not sync
     try:
-        with _guard.entered(
-            transport, op.name, head, description, error, unread=unread, tag=tag
-        ) as sig:
+        with _guard.entered(transport, op.name, head, description, error, tag=tag) as sig:
             assert flat is not None and plan is not None  # (else entered raised the error)
             return op.apply(flat, transport, plan, sync, to_cpu, sig)
     finally:

@@ -24,6 +24,7 @@ returned, not raised, so that a caller whose protocol goes on can go on.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -134,7 +135,10 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     blocks, header = _materialise(transport, blocks, header, sync, to_cpu)
     if header is not None:
         assert mine is not None
-        _check(transport, signature, _guard.as_bytes(header), mine.decoded)
+        if sync:
+            _check(transport, signature, _guard.as_bytes(header), mine.decoded)
+        else:  # (a lazy call's results exist only after the caller's sync)
+            transport.after_sync(Verdict(transport, signature, header, mine.decoded))
     for scalars, block in zip(r.scalars, blocks, strict=True):
         for leaf, j in scalars:
             out[leaf] = block[..., j]
@@ -300,13 +304,30 @@ def _materialise(
     one sync and one fetch, in which the outputs materialise; with ``to_cpu``
     they are there already). Only the outputs, the scalar blocks and the
     header are referenced here, so they alone become graph outputs."""
-    if to_cpu:
+    if to_cpu or not sync:  # (without sync: no scalar blocks, the call was validated)
         return list(blocks), header
     fetch = list(blocks) + ([header] if header is not None else [])
-    if sync and fetch:
+    if fetch:
         fetch = transport.sync_and_fetch(fetch)
-    elif sync:
+    else:
         transport.sync()
-    elif fetch:
-        fetch = transport.to_host(fetch)
     return (fetch[:-1], fetch[-1]) if header is not None else (fetch, None)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verdict of a call made with ``sync=False`` on a lazy engine, read
+    once the caller's sync has run the call: ``header`` is then data, and
+    reading it is a transfer, not an execution. Run as a step closure
+    (:meth:`Transport.after_sync`): a verdict that disagrees raises from that
+    sync, on every replica."""
+
+    transport: Transport
+    signature: _guard.Signature
+    #: The header's piece of the call's result, on the device.
+    header: torch.Tensor
+    expected: bytes
+
+    def __call__(self) -> None:
+        got = _guard.as_bytes(self.transport.to_host([self.header])[0])
+        _check(self.transport, self.signature, got, self.expected)

@@ -72,6 +72,7 @@ class UnevenGather(_call.Op):
     dim: int = 0
     max_size: int | None = None
     stack: bool = False
+    grad: bool = False
     name = "xcoll.gather"
 
     def head(self, sync, to_cpu):

@@ -299,9 +299,8 @@ class entered:
     check when due (raising the call's local ``error``, shared with every
     replica), and, on the way out, the engine's failure to complete a
     collective in xcoll's words. The block's value is the call's
-    :class:`Signature` for its guard (None in mode "never", in a world of
-    one, or where the call's results are ``unread`` before it returns: such a
-    call is checked in full first)."""
+    :class:`Signature` for its guard (None in mode "never" and in a world of
+    one)."""
 
     def __init__(
         self,
@@ -311,11 +310,10 @@ class entered:
         description: _check.Description | None,
         error: Exception | None = None,
         *,
-        unread: bool = False,
         tag: Any = None,
     ):
         self.transport, self.name, self.head = transport, name, head
-        self.description, self.error, self.unread = description, error, unread
+        self.description, self.error = description, error
         self.explicit = tag
         self.busy = exclusive(transport, name)
         self.watch: _watchdog.watch | None = None
@@ -338,7 +336,7 @@ class entered:
                 self.watch.__enter__()
             # (beyond EXACT_SUMS replicas a guard header summed in 8-bit
             # integers could wrap: every call is then checked in full too)
-            full = self.unread or t.world_size() > EXACT_SUMS
+            full = t.world_size() > EXACT_SUMS
             if _check.due(t, mode) or (full and mode != "never"):
                 _check.verify(t, self.name, self.head, self.description, error, tag=tag)
             if error is not None:
@@ -352,7 +350,7 @@ class entered:
             error = None  # noqa: F841
         # (a world of one has no other replica to disagree with: no header)
         alone = t.world_size() == 1
-        return None if mode == "never" or self.unread or alone else signature
+        return None if mode == "never" or alone else signature
 
     def __exit__(
         self,

@@ -166,7 +166,7 @@ def xla_cpu_env(world_size: int) -> dict[str, str]:
     return {
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": str(world_size),
-        "PJRT_CPU_ASYNC_CLIENT": "true",
+        "PJRT_CPU_ASYNC_CLIENT": "false",
         "XLA_NO_SPECIAL_SCALARS": "1",
         "XLA_THREAD_POOL_SIZE": str(max(16, 2 * world_size)),
     }

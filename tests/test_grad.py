@@ -1,0 +1,386 @@
+"""Differentiable collectives (``grad=True``) on real replicas.
+
+Every replica's input gradients must equal those of one process that computes
+every replica's loss on the concatenated inputs (the total loss is the sum of
+the replicas' losses): float64 within 1e-12 where the engine computes in it
+(gloo, a world of one), float32 within float tolerance on XLA:CPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import hypothesis.strategies as st
+import optree
+import pytest
+import torch
+from hypothesis import given
+
+import xcoll
+from tests import strategies as S
+from tests.helpers import PROPERTY, leaves
+from tests.replicas import device, shared_pool, to_cpu, to_device
+
+# ---- examples: built the same way here and on every replica ----------------
+
+
+def _value(spec, seed: int, rank: int, j: int):
+    g = torch.Generator().manual_seed(seed * 1009 + rank * 101 + j)
+    if isinstance(spec, S.ScalarSpec):
+        return {bool: bool(rank % 2), int: rank + j, float: 0.5 * rank - j}[spec.kind]
+    if spec.dtype.is_floating_point:
+        t = torch.randn(spec.shape, generator=g, dtype=torch.float64).to(spec.dtype)
+    else:
+        t = torch.randint(-5, 6, spec.shape, generator=g).to(spec.dtype)
+    return t.t().contiguous().t() if spec.transposed else t
+
+
+def _tree(example, rank: int):
+    """Rank ``rank``'s tree: finite values from the example's seed; a float
+    leaf that the example aliases is the earlier leaf itself (one tensor
+    under two paths, whose gradients add up)."""
+    skeleton, seed, alias = example
+    specs, treespec = optree.tree_flatten(skeleton, is_leaf=S.is_spec, none_is_leaf=False)
+    values: list = []
+    for j, spec in enumerate(specs):
+        values.append(values[alias[j]] if j in alias else _value(spec, seed, rank, j))
+    return optree.tree_unflatten(treespec, values)
+
+
+def _floats(flat_leaves) -> list[int]:
+    return [
+        j
+        for j, x in enumerate(flat_leaves)
+        if isinstance(x, torch.Tensor) and x.dtype.is_floating_point
+    ]
+
+
+def _weights(example, rank: int, j: int, like: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(example[1] * 7 + rank * 13 + j)
+    return torch.randn(like.shape, generator=g, dtype=torch.float64).to(like.dtype)
+
+
+def _loss(example, rank: int, flat_in, out_leaves, dev):
+    """Replica ``rank``'s loss: sum over float outputs of ``w * o + o * o / 2``
+    (its gradient depends on the values), ``w`` drawn per rank and leaf."""
+    total = 0
+    for j in _floats(flat_in):
+        o = out_leaves[j]
+        w = _weights(example, rank, j, o).to(dev)
+        total = total + (w * o + o * o / 2).sum()
+    return total
+
+
+def _params(tree):
+    """The distinct float tensors of ``tree`` (an aliased one once)."""
+    seen: dict[int, torch.Tensor] = {}
+    for x in leaves(tree):
+        if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+            seen.setdefault(id(x), x)
+    return list(seen.values())
+
+
+# ---- replica side ------------------------------------------------------------
+
+
+def _grads(args):
+    """Runs the differentiable call and this replica's loss; returns the
+    input gradients of its float leaves, in leaf order."""
+    name, example, kwargs = args
+    rank = xcoll.rank()
+    dev = device()
+    x = to_device(_tree(example, rank), dev)
+    for p in _params(x):
+        p.requires_grad_()
+    out = getattr(xcoll, name)(x, grad=True, **kwargs)
+    flat_in, treespec = optree.tree_flatten(x, none_is_leaf=False)
+    out_leaves = treespec.flatten_up_to(out)
+    loss = _loss(example, rank, flat_in, out_leaves, dev)
+    if isinstance(loss, torch.Tensor):  # (else no float leaf: nothing to differentiate)
+        loss.backward()
+    xcoll.sync()
+    return [to_cpu(flat_in[j].grad) for j in _floats(flat_in)]
+
+
+# ---- the reference: one process, every replica's loss -------------------------
+
+
+def _reference(name, example, kwargs, world: int):
+    trees = [_tree(example, r) for r in range(world)]
+    for t in trees:
+        for p in _params(t):
+            p.requires_grad_()
+    flats = [optree.tree_flatten(t, none_is_leaf=False)[0] for t in trees]
+    out = [_op(name, kwargs, [f[j] for f in flats], j, example) for j in range(len(flats[0]))]
+    total = sum(_loss(example, r, flats[0], out, "cpu") for r in range(world))
+    if isinstance(total, torch.Tensor):
+        total.backward()
+    # (a broadcast's input on a replica other than src: zeros, not None)
+    grads = [[f[j].grad for j in _floats(f)] for f in flats]
+    return [
+        [torch.zeros_like(f[j]) if g is None else g for j, g in zip(_floats(f), gs, strict=True)]
+        for f, gs in zip(flats, grads, strict=True)
+    ]
+
+
+def _op(name, kwargs, xs, j, example):
+    if not isinstance(xs[0], torch.Tensor):
+        return None
+    if name == "broadcast":
+        return xs[kwargs.get("src", 0)]
+    if name == "reduce":
+        total = torch.stack(xs).sum(0)
+        return total / len(xs) if _ops(example)[j] == "mean" else total
+    if xs[0].dim() == 0:
+        return torch.stack(xs)
+    if kwargs.get("stack"):
+        return torch.stack(xs, kwargs.get("dim", 0))
+    return torch.cat(xs, kwargs.get("dim", 0))
+
+
+def _ops(example) -> list[str]:
+    """A reduce's op per leaf: sum or mean for floats (by position), sum for
+    integers, max for Python bools."""
+    specs = optree.tree_leaves(example[0], is_leaf=S.is_spec, none_is_leaf=False)
+    out = []
+    for j, s in enumerate(specs):
+        if isinstance(s, S.ScalarSpec):
+            out.append("max" if s.kind is bool else "sum")
+        else:
+            out.append(("sum", "mean")[j % 2] if s.dtype.is_floating_point else "sum")
+    return out
+
+
+def _op_tree(example):
+    treespec = optree.tree_structure(example[0], is_leaf=S.is_spec, none_is_leaf=False)
+    return optree.tree_unflatten(treespec, _ops(example))
+
+
+@st.composite
+def _examples(draw, dtype, max_leaves=6):
+    skeleton = draw(S.skeletons(dtypes=[dtype, torch.int32], max_leaves=max_leaves))
+    specs = optree.tree_leaves(skeleton, is_leaf=S.is_spec, none_is_leaf=False)
+    alias = {}
+    for j, spec in enumerate(specs):
+        same = [i for i in range(j) if specs[i] == spec and i not in alias]
+        if isinstance(spec, S.TensorSpec) and spec.dtype == dtype and same and draw(st.booleans()):
+            alias[j] = draw(st.sampled_from(same))
+    return skeleton, draw(st.integers(0, 2**20)), alias
+
+
+def _dtype(pool) -> torch.dtype:
+    # XLA:CPU computes in float32 here as on a TPU; gloo and a world of one in float64
+    return torch.float32 if pool.device_type == "xla" else torch.float64
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    tol = 1e-12 if a.dtype == torch.float64 else 2e-5
+    return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+def _check(pool, name, example, kwargs):
+    w = pool.world_size
+    got = pool.run(_grads, [(name, example, kwargs)] * w)
+    expected = _reference(name, example, kwargs, w)
+    for r in range(w):
+        assert len(got[r]) == len(expected[r])
+        for k, (a, e) in enumerate(zip(got[r], expected[r], strict=True)):
+            assert _close(a, e), (name, kwargs, r, k, a, e)
+
+
+# ---- properties ------------------------------------------------------------------
+
+
+@PROPERTY
+@given(data=st.data())
+def test_gather_gradients_are_the_single_process_ones(pool, data):
+    example = data.draw(_examples(_dtype(pool)), "example")
+    stack = data.draw(st.booleans(), "stack")
+    dim = data.draw(st.sampled_from([0, -1]), "dim")
+    _check(pool, "gather", example, {"stack": stack, "dim": dim})
+
+
+@PROPERTY
+@given(data=st.data())
+def test_reduce_gradients_are_the_single_process_ones(pool, data):
+    example = data.draw(_examples(_dtype(pool)), "example")
+    _check(pool, "reduce", example, {"op": _op_tree(example)})
+
+
+@PROPERTY
+@given(data=st.data())
+def test_broadcast_gradients_are_the_single_process_ones(pool, data):
+    example = data.draw(_examples(_dtype(pool)), "example")
+    src = data.draw(st.integers(0, pool.world_size - 1), "src")
+    _check(pool, "broadcast", example, {"src": src})
+
+
+@pytest.fixture(scope="module", params=["xla-cpu-1", "xla-cpu-2", "xla-cpu-4"])
+def xla_pools(request):
+    return shared_pool(request.param)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_a_training_step_with_sync_false_has_the_same_gradients(xla_pools, data):
+    """On XLA, the forward inside a training step (sync=False: traced, no
+    execution of its own) and the backward traced after it, run by the
+    step's one sync."""
+    pool = xla_pools
+    name = data.draw(st.sampled_from(["gather", "reduce", "broadcast"]), "name")
+    skeleton = data.draw(
+        S.skeletons(dtypes=[torch.float32, torch.int32], scalars=False, max_leaves=6)
+    )
+    example = (skeleton, data.draw(st.integers(0, 2**20)), {})
+    kwargs = {"reduce": {"op": _op_tree(example)}, "broadcast": {"src": pool.world_size - 1}}
+    _check(pool, name, example, {"sync": False, **kwargs.get(name, {})})
+
+
+# ---- torch.autograd.gradcheck on gloo W=2 ---------------------------------------
+
+
+def _gradcheck(args):
+    """gradcheck of one replica's (``live``) outputs against its inputs, run
+    in lockstep on every replica. The others pass constants (their inputs
+    times 0, so their backward still takes part) and weigh their outputs by
+    0: then the live replica's local Jacobian is what its backward gives."""
+    name, live, kwargs = args
+    rank = xcoll.rank()
+    g = torch.Generator().manual_seed(rank)
+    a = torch.randn(3, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, generator=g, requires_grad=True)
+    fixed = (a.detach().clone(), b.detach().clone())
+
+    def f(a, b):
+        if rank != live:
+            a, b = a * 0 + fixed[0], b * 0 + fixed[1]
+        out = getattr(xcoll, name)({"a": a, "b": b}, grad=True, **kwargs)
+        weight = 1.0 if rank == live else 0.0
+        return out["a"] * weight, out["b"] * weight
+
+    return torch.autograd.gradcheck(f, (a, b), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("live", [0, 1])
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("gather", {}),
+        ("gather", {"dim": 1, "stack": True}),
+        ("reduce", {"op": "sum"}),
+        ("reduce", {"op": {"a": "mean", "b": "sum"}}),
+        ("broadcast", {"src": 0}),
+        ("broadcast", {"src": 1}),
+    ],
+)
+def test_gradcheck(name, kwargs, live):
+    pool = shared_pool("gloo-2")
+    assert pool.run(_gradcheck, [(name, live, kwargs)] * 2) == [True, True]
+
+
+# ---- counts, the guard, higher derivatives -----------------------------------
+
+
+def _backward_ops(n: int):
+    """A 64-leaf gather with sync=False, its loss and backward traced: the
+    all-gathers and all-reduces of the pending graph."""
+    import torch_xla
+
+    dev = device()
+    x = [torch.randn(3, 2).to(dev).requires_grad_() for _ in range(n)]
+    xcoll.sync()
+    out = xcoll.gather(x, grad=True, sync=False)
+    sum((o * o).sum() for o in out).backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([t.grad for t in x])
+    xcoll.sync()
+    return {op: len(re.findall(rf"\s{op}\(", hlo)) for op in ("all-gather", "all-reduce")}
+
+
+def test_the_backward_of_a_64_leaf_gather_is_one_collective(xla4):
+    # the forward's all-gather and the backward's one all-reduce, in one graph
+    assert xla4.run(_backward_ops, [64] * 4) == [{"all-gather": 1, "all-reduce": 1}] * 4
+
+
+def _step(_=None):
+    """A training step: forward with a differentiable gather (sync=False),
+    backward, an SGD update, one sync."""
+    from tests.replicas import counters
+
+    dev = device()
+    rank = xcoll.rank()
+    w = torch.ones(4, 3).to(dev).requires_grad_()
+    batch = (torch.arange(8.0).reshape(2, 4) + rank).to(dev)
+    xcoll.sync()
+    before = {}
+    for step in range(3):
+        if step == 2:  # (the step's graph compiled and ran before)
+            before = counters()
+        emb = batch @ w
+        every = xcoll.gather({"emb": emb}, grad=True, sync=False)["emb"]
+        loss = (every @ emb.t()).logsumexp(0).sum()
+        loss.backward()
+        with torch.no_grad():
+            w -= 0.01 * w.grad
+        w.grad = None
+        xcoll.sync()
+    after = counters()
+    return {k: after[k] - before[k] for k in ("executions", "compiles")}
+
+
+def test_a_training_step_is_one_execution(xla4):
+    # the step's forward, backward (its collective and guard) and update: one
+    # execution per replica, nothing compiled once the step has run
+    assert xla4.run(_step, [None] * 4)[0] == {"executions": 4, "compiles": 0}
+
+
+def _two_backwards(sync: bool):
+    """Two differentiable gathers of one tensor under different paths; rank
+    0's loss uses the first, the others' the second: their backward calls
+    differ (in the header's values only: on XLA every replica's program is
+    the same)."""
+    dev = device()
+    x = torch.ones(2).to(dev).requires_grad_()
+    first = xcoll.gather({"a": x}, grad=True, sync=sync)["a"]
+    second = xcoll.gather({"b": x}, grad=True, sync=sync)["b"]
+    try:
+        (first if xcoll.rank() == 0 else second).sum().backward()
+        xcoll.sync()
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "world, sync", [("gloo-2", True), ("xla-cpu-2", True), ("xla-cpu-2", False)]
+)
+def test_a_backward_that_differs_raises_on_every_replica(world, sync):
+    for text in shared_pool(world).run(_two_backwards, [sync, sync]):
+        assert "xcoll.gather backward" in text and "tree['a']" in text and "tree['b']" in text, text
+
+
+def _second_derivative(name):
+    dev = device()
+    rank = xcoll.rank()
+    x = (torch.arange(3.0, dtype=torch.float64) + rank).to(dev).requires_grad_()
+    out = getattr(xcoll, name)(x, grad=True)
+    (g,) = torch.autograd.grad((out**3).sum(), x, create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), x)
+    return h.tolist()
+
+
+@pytest.mark.parametrize("name", ["gather", "reduce", "broadcast"])
+def test_second_derivatives(name):
+    """The backward is differentiable itself: d/dx of the total loss's
+    gradient sum, against one process's."""
+    w = 2
+    got = shared_pool("gloo-2").run(_second_derivative, [name] * w)
+    xs = [(torch.arange(3.0, dtype=torch.float64) + r).requires_grad_() for r in range(w)]
+    out = {"gather": lambda: torch.cat(xs), "reduce": lambda: sum(xs), "broadcast": lambda: xs[0]}
+    total = w * (out[name]() ** 3).sum()  # every replica's loss is the same
+    grads = torch.autograd.grad(total, xs, create_graph=True, allow_unused=True)
+    # each replica differentiates the sum of its own gradient: the sum of all of them
+    total = sum(g.sum() for g in grads if g is not None)
+    second = torch.autograd.grad(total, xs, allow_unused=True)
+    for r in range(w):
+        expected = torch.zeros(3, dtype=torch.float64) if second[r] is None else second[r]
+        assert torch.allclose(torch.tensor(got[r], dtype=torch.float64), expected), (r, got, second)
