@@ -218,6 +218,28 @@ def test_bench_outputs_reports_a_compile_per_output_count():
         assert all(float(x) > 0 for x in r[1:]), r
 
 
+def test_bench_grad_counts_the_backwards_collectives():
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.grad", "--leaves", "1", "8", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): re.findall(r"\((\d+)\)", line)
+        for line in result.stdout.splitlines()
+        if line.startswith("| ") and "method" not in line
+    }
+    # per leaf count (1, 8): the backward's collectives (all-to-all per leaf on gloo)
+    assert rows == {
+        "xcoll.gather(grad=True)": ["1", "1"],
+        "torch.distributed.nn.functional.all_gather per leaf": ["2", "16"],
+        "Lightning's _AllGather per leaf (reproduced)": ["1", "8"],
+    }, result.stdout
+
+
 def readme_pool_example() -> str:
     text = README.read_text().split("## Testing your own distributed code")[1]
     return text.split("```python\n", 1)[1].split("```", 1)[0]

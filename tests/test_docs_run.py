@@ -173,7 +173,13 @@ def test_design_md_reproducer_runs(tmp_path):
 
 
 def test_every_python_block_of_the_readme_and_docs_runs_in_a_test():
-    from tests import test_demo_and_docs, test_launchers, test_migration, test_out_of_step
+    from tests import (
+        test_demo_and_docs,
+        test_grad,
+        test_launchers,
+        test_migration,
+        test_out_of_step,
+    )
 
     ran = {
         *readme_first_screen(),
@@ -185,6 +191,7 @@ def test_every_python_block_of_the_readme_and_docs_runs_in_a_test():
         test_launchers.snippet("exit"),
         test_launchers.snippet("results"),
         test_out_of_step.snippet(),
+        test_grad.snippet(),
         *(code for s in test_migration.SECTIONS.values() for _, code in s.values()),
     }
     docs = [README, *sorted((ROOT / "docs").glob("*.md"))]

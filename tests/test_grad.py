@@ -8,7 +8,10 @@ the replicas' losses): float64 within 1e-12 where the engine computes in it
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import subprocess
+import sys
 
 import hypothesis.strategies as st
 import optree
@@ -18,7 +21,7 @@ from hypothesis import given
 
 import xcoll
 from tests import strategies as S
-from tests.helpers import PROPERTY, leaves
+from tests.helpers import PROPERTY, XLA_CPU, leaves
 from tests.replicas import device, shared_pool, to_cpu, to_device
 
 # ---- examples: built the same way here and on every replica ----------------
@@ -384,3 +387,95 @@ def test_second_derivatives(name):
     for r in range(w):
         expected = torch.zeros(3, dtype=torch.float64) if second[r] is None else second[r]
         assert torch.allclose(torch.tensor(got[r], dtype=torch.float64), expected), (r, got, second)
+
+
+# ---- the contrastive example, under its launchers ----------------------------------
+
+
+def _example(launcher: list[str], env: dict[str, str], *args: str):
+    from tests.helpers import clean_env
+
+    command = [sys.executable, *launcher, "-m", "xcoll.examples.contrastive", *args]
+    return subprocess.run(
+        command, env={**clean_env(), **env}, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_contrastive_example_under_torchrun_matches_one_process():
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = _example(torchrun, {})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("largest difference from single-process training") == 2, (
+        result.stdout
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed"
+)
+def test_the_contrastive_example_under_torch_xla_launch_matches_one_process():
+    env = {**XLA_CPU, "XLA_THREAD_POOL_SIZE": "16", "PJRT_CPU_ASYNC_CLIENT": "false"}
+    result = _example([], env, "--xla")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "largest difference from single-process training" in result.stdout, result.stdout
+
+
+def test_the_contrastive_example_fails_without_the_gradients_of_the_others():
+    """The example's check can fail: gradients that do not cross replicas (a
+    gather without grad, the local rows' gradients only) differ from one
+    process's, at W=2."""
+    from xcoll.examples import contrastive
+
+    got = shared_pool("gloo-2").run(_local_only, [None, None])
+    for grads in got:
+        assert contrastive.largest_difference(grads, 2) > 100 * contrastive.TOLERANCE
+
+
+def _local_only(_):
+    import torch.distributed as dist
+
+    from xcoll.examples import contrastive
+
+    model = contrastive.Encoders()
+    images, texts = contrastive.batch(2)
+    rank = xcoll.rank()
+    shard = slice(rank * contrastive.PER_REPLICA, (rank + 1) * contrastive.PER_REPLICA)
+    mine = model(images[shard], texts[shard])
+    every = xcoll.gather(mine)  # no grad: the others' rows are constants
+    labels = torch.arange(contrastive.PER_REPLICA) + rank * contrastive.PER_REPLICA
+    contrastive.info_nce(mine, every, labels).backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= 2
+    return grads
+
+
+def snippet() -> str:
+    """docs/gradients.md's python block."""
+    import pathlib
+    import textwrap
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "gradients.md").read_text()
+    return textwrap.dedent(text.split("```python\n", 1)[1].split("```", 1)[0])
+
+
+def _run_snippet(code: str):
+    namespace: dict = {}
+    exec(code, namespace)
+    return {n: p.grad for n, p in namespace["model"].named_parameters()}
+
+
+@pytest.mark.parametrize("world", ["local-1", "gloo-2"])
+def test_the_docs_snippet_gives_each_replica_its_share(world):
+    # the replicas' parameter gradients add up to the gradient of the sum of
+    # their losses: W times the single-process one (whose loss is their mean)
+    from xcoll.examples import contrastive
+
+    pool = shared_pool(world)
+    w = pool.world_size
+    got = pool.run(_run_snippet, [snippet()] * w)
+    expected = contrastive.reference(w)
+    for name, g in expected.items():
+        total = sum(r[name] for r in got)
+        assert torch.allclose(total, w * g, atol=1e-5), (name, total, w * g)

@@ -39,7 +39,8 @@ def gather(
     rank never depends on ``W``. A Python scalar leaf gives a list of ``W`` values.
 
     One packed collective carries the whole tree. The input is left
-    unmodified; outputs are new tensors that never require grad.
+    unmodified; outputs are new tensors, which require grad only with
+    ``grad=True``.
 
     Args:
         tree: a pytree (dicts, lists, tuples, namedtuples, ... as optree
@@ -54,7 +55,9 @@ def gather(
         sync: run the call now (on XLA: one graph execution, with the caller's
             pending work). With ``False`` nothing is executed: the collectives
             join the caller's pending graph (tensor leaves only; on eager
-            backends the call completes anyway).
+            backends the call completes anyway), and the guard is read after
+            the caller's next sync (``xcoll.sync()``), which raises
+            :class:`xcoll.CollectiveMismatchError` where the calls differed.
         to_cpu: return CPU tensors, fetched with one transfer per packed buffer.
         uneven: let tensor leaves differ in size along ``dim`` between
             replicas (other dims and dtypes must match; an empty shard is
@@ -71,6 +74,12 @@ def gather(
             around it. The replicas' tags must match, or every replica raises
             :class:`xcoll.CollectiveMismatchError` naming both (a replica that
             skipped a call is named at its next one; docs/reliability.md).
+        grad: make the outputs differentiable (docs/gradients.md): the total
+            loss is the sum of every replica's loss, and a replica's input
+            gradient is the sum over replicas of its own rows of their output
+            gradients. The backward is one guarded all-reduce of the output
+            gradients (one per dtype); every replica must run it, as it runs
+            the call. Not with ``to_cpu`` or ``uneven``.
 
     Returns:
         A tree of ``tree``'s structure: each tensor leaf gathered (new tensors
@@ -85,8 +94,8 @@ def gather(
             path.
         ValueError: ``dim`` out of range, ``uneven`` with ``stack``, a leaf
             larger than ``max_size``, Python scalars or ``to_cpu`` with
-            ``sync=False``, ``group`` with XLA leaves or on a rank that is not
-            its member.
+            ``sync=False``, ``to_cpu`` or ``uneven`` with ``grad``, ``group``
+            with XLA leaves or on a rank that is not its member.
         xcoll.CollectiveMismatchError: the replicas' calls differ (tree,
             shapes, dtypes, parameters or tags); raised on every replica, naming
             the first difference and both ranks.
@@ -126,7 +135,8 @@ def reduce(
     products and means accumulate in float32 and are rounded once. One
     collective per dtype and op (fewer where merging stays exact).
 
-    The input is left unmodified; outputs are new tensors that never require grad.
+    The input is left unmodified; outputs are new tensors, which require grad
+    only with ``grad=True``.
 
     Args:
         tree: a pytree of tensors and Python bool, int and float leaves, as in
@@ -141,6 +151,10 @@ def reduce(
             transfer).
         group: as in :func:`gather`.
         tag: as in :func:`gather`.
+        grad: make the outputs differentiable (docs/gradients.md): a sum's
+            input gradient is the sum of every replica's output gradient, a
+            mean's their mean; other ops of floating leaves are refused. Not
+            with ``to_cpu``.
 
     Returns:
         A tree of ``tree``'s structure whose leaves are the reduced values (new
@@ -152,8 +166,10 @@ def reduce(
             dtype refuses (mean of integers or bools, sum of bools), naming
             the leaf's path; before any communication.
         ValueError: an unknown op, an op tree that is not a prefix of ``tree``,
-            Python scalars or ``to_cpu`` with ``sync=False``, ``group`` with XLA
-            leaves or on a rank that is not its member.
+            Python scalars or ``to_cpu`` with ``sync=False``, ``to_cpu`` with
+            ``grad``, an op other than sum and mean of a floating leaf with
+            ``grad``, ``group`` with XLA leaves or on a rank that is not its
+            member.
         xcoll.CollectiveMismatchError: the replicas' calls differ (as in
             :func:`gather`; ops included).
         xcoll.ConcurrentCallError: as in :func:`gather`.
@@ -181,7 +197,8 @@ def broadcast(
     Values of the other replicas (NaN included) never reach the result; their
     leaves only need the same shapes and dtypes as ``src``'s.
 
-    The input is left unmodified; outputs are new tensors that never require grad.
+    The input is left unmodified; outputs are new tensors, which require grad
+    only with ``grad=True``.
 
     Args:
         tree: a pytree of tensors and Python bool, int and float leaves, as in
@@ -191,6 +208,9 @@ def broadcast(
         to_cpu: as in :func:`gather`.
         group: as in :func:`gather`.
         tag: as in :func:`gather`.
+        grad: make the outputs differentiable (docs/gradients.md): ``src``'s
+            input gradient is the sum of every replica's output gradient, the
+            others' are zeros. Not with ``to_cpu``.
 
     Returns:
         A tree of ``tree``'s structure with ``src``'s values (new tensors on
@@ -200,8 +220,8 @@ def broadcast(
     Raises:
         TypeError: an unsupported leaf (as in :func:`gather`), naming its path.
         ValueError: ``src`` is not a rank in ``[0, W)``; Python scalars or
-            ``to_cpu`` with ``sync=False``; ``group`` with XLA leaves or on a rank that is not
-            its member.
+            ``to_cpu`` with ``sync=False``; ``to_cpu`` with ``grad``; ``group``
+            with XLA leaves or on a rank that is not its member.
         xcoll.CollectiveMismatchError: the replicas' calls differ (as in
             :func:`gather`; ``src`` included). On torch.distributed the
             broadcast is a star from ``src``: the receivers raise, and ``src``

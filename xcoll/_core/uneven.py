@@ -80,6 +80,11 @@ class UnevenGather(_call.Op):
         return f"{params} {super().head(sync, to_cpu)}"
 
     def validate(self, flat, transport, sync, to_cpu):
+        if self.grad:
+            raise ValueError(
+                "grad=True is not supported for uneven gathers yet: pad the leaves to one size "
+                "(a mask marks the padding) and gather them evenly"
+            )
         if self.stack or not sync:
             raise ValueError(
                 "uneven gathers concatenate and run now: stack=True and sync=False do not apply"
