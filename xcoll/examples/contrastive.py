@@ -66,7 +66,9 @@ def batch(world: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, IMAGE, generator=g), torch.randn(n, TEXT, generator=g)
 
 
-def info_nce(mine: dict[str, torch.Tensor], every: dict[str, torch.Tensor], labels: torch.Tensor):
+def info_nce(
+    mine: dict[str, torch.Tensor], every: dict[str, torch.Tensor], labels: torch.Tensor
+) -> torch.Tensor:
     """The symmetric InfoNCE loss of ``mine``'s rows against ``every`` row,
     the positives at ``labels``: the mean cross-entropy in both directions."""
     to_text = mine["img"] @ every["txt"].t() / TEMPERATURE
@@ -74,14 +76,20 @@ def info_nce(mine: dict[str, torch.Tensor], every: dict[str, torch.Tensor], labe
     return (F.cross_entropy(to_text, labels) + F.cross_entropy(to_image, labels)) / 2
 
 
-def local_loss(model, images, texts, device, sync: bool = True) -> torch.Tensor:
+def local_loss(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    device: torch.device | str,
+    sync: bool = True,
+) -> torch.Tensor:
     """This replica's loss on its shard (rows ``rank * PER_REPLICA`` on of the
     full batch): its embeddings against every replica's, gathered with
     ``grad=True`` (``sync=False`` inside an XLA training step)."""
     rank = xcoll.rank()
     shard = slice(rank * PER_REPLICA, (rank + 1) * PER_REPLICA)
     mine = model(images[shard].to(device), texts[shard].to(device))
-    every = xcoll.gather(mine, grad=True, sync=sync)
+    every: dict[str, torch.Tensor] = xcoll.gather(mine, grad=True, sync=sync)
     # (uploaded, not made on the device from the rank: one program everywhere)
     labels = torch.arange(PER_REPLICA) + rank * PER_REPLICA
     return info_nce(mine, every, labels.to(device))
@@ -93,7 +101,15 @@ def reference(world: int) -> dict[str, torch.Tensor]:
     images, texts = batch(world)
     out = model(images, texts)
     info_nce(out, out, torch.arange(len(images))).backward()
-    return {name: p.grad for name, p in model.named_parameters()}
+    return gradients(model)
+
+
+def gradients(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The parameters' gradients by name (``prefix`` removed), zeros where none."""
+    return {
+        name.removeprefix(prefix): torch.zeros_like(p) if p.grad is None else p.grad
+        for name, p in model.named_parameters()
+    }
 
 
 def largest_difference(grads: dict[str, torch.Tensor], world: int) -> float:
@@ -116,7 +132,7 @@ def gloo_step() -> float:
         model = torch.nn.parallel.DistributedDataParallel(Encoders())
         images, texts = batch(dist.get_world_size())
         local_loss(model, images, texts, "cpu").backward()  # DDP averages the gradients
-        grads = {k.removeprefix("module."): p.grad for k, p in model.named_parameters()}
+        grads = gradients(model, "module.")
         return largest_difference(grads, dist.get_world_size())
     finally:
         dist.destroy_process_group()
@@ -138,8 +154,7 @@ def xla_step(index: int = 0) -> float:
     model = Encoders().to(device)
     images, texts = batch(xcoll.world_size())
     local_loss(model, images, texts, device, sync=False).backward()
-    grads = {k: p.grad for k, p in model.named_parameters()}
-    grads = xcoll.reduce(grads, "mean", to_cpu=True)  # runs the step, then averages
+    grads = xcoll.reduce(gradients(model), "mean", to_cpu=True)  # runs the step, then averages
     difference = largest_difference(grads, xcoll.world_size())
     if xcoll.rank() == 0:
         print(f"contrastive step: largest difference from single-process training {difference:.2e}")
