@@ -42,10 +42,14 @@ def _tree(example, rank: int):
     """Rank ``rank``'s tree: finite values from the example's seed; a float
     leaf that the example aliases is the earlier leaf itself (one tensor
     under two paths, whose gradients add up)."""
-    skeleton, seed, alias = example
+    skeleton, seed, alias = example[:3]
     specs, treespec = optree.tree_flatten(skeleton, is_leaf=S.is_spec, none_is_leaf=False)
     values: list = []
     for j, spec in enumerate(specs):
+        if len(example) > 3 and isinstance(spec, S.TensorSpec):  # uneven: sizes by rank
+            shape = list(spec.shape or (1,))
+            shape[0] = (seed + rank * (j + 1)) % 4
+            spec = S.TensorSpec(spec.dtype, tuple(shape), False)
         values.append(values[alias[j]] if j in alias else _value(spec, seed, rank, j))
     return optree.tree_unflatten(treespec, values)
 
@@ -201,6 +205,15 @@ def test_gather_gradients_are_the_single_process_ones(pool, data):
     stack = data.draw(st.booleans(), "stack")
     dim = data.draw(st.sampled_from([0, -1]), "dim")
     _check(pool, "gather", example, {"stack": stack, "dim": dim})
+
+
+@PROPERTY
+@given(data=st.data())
+def test_uneven_gather_gradients_are_the_single_process_ones(pool, data):
+    """Leaves whose size along dim 0 differs by rank (0 included)."""
+    skeleton, seed, _ = data.draw(_examples(_dtype(pool)), "example")
+    max_size = data.draw(st.sampled_from([None, 3]), "max_size")
+    _check(pool, "gather", (skeleton, seed, {}, "uneven"), {"uneven": True, "max_size": max_size})
 
 
 @PROPERTY

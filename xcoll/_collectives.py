@@ -79,7 +79,8 @@ def gather(
             gradient is the sum over replicas of its own rows of their output
             gradients. The backward is one guarded all-reduce of the output
             gradients (one per dtype); every replica must run it, as it runs
-            the call. Not with ``to_cpu`` or ``uneven``.
+            the call (with ``uneven``, on its own, after the pending work).
+            Not with ``to_cpu``.
 
     Returns:
         A tree of ``tree``'s structure: each tensor leaf gathered (new tensors
@@ -94,8 +95,8 @@ def gather(
             path.
         ValueError: ``dim`` out of range, ``uneven`` with ``stack``, a leaf
             larger than ``max_size``, Python scalars or ``to_cpu`` with
-            ``sync=False``, ``to_cpu`` or ``uneven`` with ``grad``, ``group``
-            with XLA leaves or on a rank that is not its member.
+            ``sync=False``, ``to_cpu`` with ``grad``, ``group`` with XLA
+            leaves or on a rank that is not its member.
         xcoll.CollectiveMismatchError: the replicas' calls differ (tree,
             shapes, dtypes, parameters or tags); raised on every replica, naming
             the first difference and both ranks.

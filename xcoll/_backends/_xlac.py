@@ -111,7 +111,12 @@ def upload(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.
 
 def get_cpu_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """CPU copies of device tensors, fetched in one call. Replaces a ``.cpu()``
-    per tensor (one transfer each)."""
+    per tensor (one transfer each). No tensors: no call, which would wait
+    for every device of the process (measured: a replica's uneven gather
+    without tensor leaves then waited for another replica's execution, which
+    waited for it, until XLA aborted)."""
+    if not tensors:
+        return []
     return list(_binding("_xla_get_cpu_tensors")(list(tensors)))
 
 

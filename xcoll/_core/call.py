@@ -120,8 +120,12 @@ class Op(ABC):
     """A collective call's kind: how it is described, validated and planned."""
 
     name: str
+    #: What it does: "gather", "reduce", "broadcast" or "uneven" (a gather).
+    kind: str
     #: Whether the call is differentiable (``grad=True``, :mod:`xcoll._core.grad`).
     grad: bool = False
+    #: A broadcast's source rank (a field of that op).
+    src: int = 0
 
     def head(self, sync: bool, to_cpu: bool) -> str:
         """The call's parameters, as the consistency check compares them."""
@@ -160,17 +164,16 @@ class Op(ABC):
         sync: bool,
         to_cpu: bool,
         signature: _guard.Signature | None,
-    ):
-        """Communicates and returns the output tree, guarded as ``signature``."""
+    ) -> tuple[Any, Any]:
+        """Communicates, guarded as ``signature``; returns the output tree and
+        what a backward needs of this call beyond its signature (an uneven
+        gather's sizes; None for the others)."""
 
 
 class Packed(Op):
     """A collective that moves packed buckets (:mod:`xcoll._core.execute`)."""
 
-    #: The recipe's kind: "gather", "reduce" or "broadcast".
-    kind: str
-    #: A broadcast's source rank, a gather's stacking (fields of those ops).
-    src: int = 0
+    #: A gather's stacking (a field of that op).
     stack: bool = False
 
     def how(self, plan: Plan, transport: Transport) -> str:
@@ -201,7 +204,7 @@ class Packed(Op):
         out, agree = _execute.execute(r, flat, transport, signature, sync=sync, to_cpu=to_cpu)
         if not agree:
             _guard.fire(transport, signature, r.src)
-        return out
+        return out, None
 
 
 def gather_params(dim: Any, stack: bool, uneven: bool, max_size: int | None) -> str:
@@ -417,6 +420,13 @@ def call(
     check when due (a local error is shared with every replica), then run
     with the guard (``_guard``) unless the mode is "never". ``tag``: the
     call's own step tag (:mod:`xcoll._guard.steps`)."""
+    return called(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)[0]
+
+
+def called(
+    op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
+) -> tuple[Any, Any]:
+    """:func:`call`, and what a backward needs of it (:meth:`Op.apply`)."""
     flat = transport = plan = error = None
     try:
         flat = _tree.flatten(tree)

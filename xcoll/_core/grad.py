@@ -12,7 +12,10 @@ gradients:
   reduce-scatter of packed buffers);
 * reduce: sum, the all-reduce sum of the output gradients; mean, their mean
   (the sum divided by W). Other ops raise (:class:`xcoll._core.call.Reduce`);
-* broadcast: the sum of the output gradients on ``src``, zeros elsewhere.
+* broadcast: the sum of the output gradients on ``src``, zeros elsewhere;
+* an uneven gather: as a gather, its own rows found by the sizes that its
+  forward exchanged (its backward's collective runs on its own, after the
+  pending work, as the forward's does: the replicas' shapes differ).
 
 So the backward is one :class:`Backward`, an all-reduce of the tree of output
 gradients (of the floating tensor leaves), packed and guarded as every call
@@ -43,6 +46,7 @@ from .._backends.base import Transport
 from . import call as _call
 from . import memo as _memo
 from . import tree as _tree
+from . import uneven as _uneven
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class Rule:
     """How a differentiable call's gradients flow back, for one op and
     signature."""
 
-    #: "gather", "reduce" or "broadcast".
+    #: "gather", "reduce", "broadcast" or "uneven".
     kind: str
     #: The forward's tensor leaves, in order; and those whose gradients travel
     #: (floating ones), with their shapes.
@@ -75,13 +79,14 @@ class Rule:
     treespec: optree.PyTreeSpec
     backward: Backward
     #: Gather: per travelling leaf, the output dim that holds the replicas
-    #: and the leaf's extent along it (1 where it stacks, or is 0-d).
+    #: and the leaf's extent along it (1 where it stacks, or is 0-d); an
+    #: uneven gather: its growing dim and its column in the forward's sizes.
     dims: tuple[tuple[int, int], ...] = ()
     #: Broadcast: its source rank.
     src: int = 0
 
     @staticmethod
-    def of(op: _call.Packed, flat: _tree.Flat) -> Rule:
+    def of(op: _call.Op, flat: _tree.Flat) -> Rule:
         leaves = tuple(i for i in flat.tensors if flat.leaves[i].dtype.is_floating_point)
         ops = _tree.broadcast_prefix(op.op, flat, "op") if isinstance(op, _call.Reduce) else None
         backward_ops: list[Any] = [None] * len(flat.leaves)
@@ -90,6 +95,10 @@ class Rule:
         dims: tuple[tuple[int, int], ...] = ()
         if isinstance(op, _call.Gather):
             dims = tuple(_gathered_dim(op, flat, i) for i in leaves)
+        if isinstance(op, _uneven.UnevenGather):
+            growing = _uneven.growing_dims(flat, op.dim)
+            columns = {i: k for k, i in enumerate(sorted(growing))}
+            dims = tuple((growing[i], columns[i]) for i in leaves)
         return Rule(
             kind=op.kind,
             tensors=flat.tensors,
@@ -101,11 +110,21 @@ class Rule:
             src=op.src,
         )
 
-    def take(self, reduced: list[torch.Tensor], transport: Transport) -> list[torch.Tensor]:
+    def take(
+        self, reduced: list[torch.Tensor], transport: Transport, sizes: Any
+    ) -> list[torch.Tensor]:
         """Each travelling leaf's input gradient, from its all-reduced output
-        gradient."""
+        gradient (``sizes``: an uneven gather's, as its forward exchanged them)."""
         if self.kind == "reduce":
             return reduced
+        if self.kind == "uneven":  # (the replicas' shapes differ: rows by their own sizes)
+            r = transport.rank()
+            return [
+                g.narrow(d, int(sizes[:r, k].sum()), int(sizes[r, k])).clone(
+                    memory_format=torch.contiguous_format
+                )
+                for g, (d, k) in zip(reduced, self.dims, strict=True)
+            ]
         if self.kind == "broadcast":
             mask = _mask(transport, transport.rank() == self.src)
             return [transport.kernels.keep(g, mask) for g in reduced]
@@ -150,9 +169,10 @@ class _Differentiable(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, tree, group, how, *tensors):
         sync, to_cpu, tag = how
-        out = _call.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+        out, ctx.sizes = _call.called(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
         flat = _tree.flatten(tree)
-        ctx.rule = _rules.get((op.name, op.src, op.key(flat, 1)), Rule.of, op, flat)
+        key = (op.name, op.src, op.key(flat, 1))
+        ctx.rule = _rules.get(key, Rule.of, op, flat)
         ctx.transport = _backends.resolve(flat, group)
         ctx.group, ctx.tag = group, tag
         return tuple(flat.treespec.flatten_up_to(out))
@@ -166,9 +186,14 @@ class _Differentiable(torch.autograd.Function):
         )
         # (differentiable itself under create_graph=True)
         backward = dataclasses.replace(rule.backward, grad=torch.is_grad_enabled())
-        out = call(backward, tree, ctx.group, sync=False, to_cpu=False, tag=ctx.tag)
+        # An uneven gather's collective runs on its own, after the pending work
+        # (whose shapes differ between replicas), as its forward's does.
+        alone = rule.kind == "uneven"
+        if alone:
+            ctx.transport.sync()
+        out = call(backward, tree, ctx.group, sync=alone, to_cpu=False, tag=ctx.tag)
         reduced = optree.tree_leaves(out, none_is_leaf=False)
-        taken = dict(zip(rule.leaves, rule.take(reduced, ctx.transport), strict=True))
+        taken = dict(zip(rule.leaves, rule.take(reduced, ctx.transport, ctx.sizes), strict=True))
         return (None,) * 4 + tuple(taken.get(i) for i in rule.tensors)
 
 

@@ -74,17 +74,13 @@ class UnevenGather(_call.Op):
     stack: bool = False
     grad: bool = False
     name = "xcoll.gather"
+    kind = "uneven"
 
     def head(self, sync, to_cpu):
         params = _call.gather_params(self.dim, self.stack, True, self.max_size)
         return f"{params} {super().head(sync, to_cpu)}"
 
     def validate(self, flat, transport, sync, to_cpu):
-        if self.grad:
-            raise ValueError(
-                "grad=True is not supported for uneven gathers yet: pad the leaves to one size "
-                "(a mask marks the padding) and gather them evenly"
-            )
         if self.stack or not sync:
             raise ValueError(
                 "uneven gathers concatenate and run now: stack=True and sync=False do not apply"
@@ -116,7 +112,9 @@ class UnevenGather(_call.Op):
         local = [t.shape[d] for t, d in zip(host, rows.dims, strict=True)]
         scalars = [flat.leaves[i] for i in flat.scalars]
         if self.max_size is not None:
-            data, scalars = self._bounded(flat, transport, rows, host, local, scalars, signature)
+            data, scalars, sizes = self._bounded(
+                flat, transport, rows, host, local, scalars, signature
+            )
         else:
             # (the scalars travel with the shapes: that gather carries the guard)
             exchange = {"shapes": transport.upload(rows.shapes(local)), "scalars": scalars}
@@ -125,7 +123,7 @@ class UnevenGather(_call.Op):
             scalars = got["scalars"]
             if not transport.lazy:
                 data = _exact(rows, host, sizes, transport, to_cpu)
-                return _output(flat, idx, data, scalars)
+                return _output(flat, idx, data, scalars), sizes
             target = _pack.size_bucket(int(sizes.max())) if idx else 0
             room = rows.layout(target).nbytes
             payload = {"data": _packed(transport, rows, host, local, target, room)}
@@ -133,7 +131,7 @@ class UnevenGather(_call.Op):
             data = _unpack(rows, got["data"], sizes, target)
         if not to_cpu:
             data = [transport.upload(t) for t in data]
-        return _output(flat, idx, data, scalars)
+        return _output(flat, idx, data, scalars), sizes
 
     def _bounded(self, flat, transport, rows, host, local, scalars, signature):
         """The call with ``max_size``: every replica's shape rows, scalars and
@@ -145,7 +143,8 @@ class UnevenGather(_call.Op):
         takes from the same history (:data:`_rooms`); a call that needs more
         runs again with room enough (all replicas alike: by then they have
         checked that their shapes agree), and its key keeps that room.
-        Returns the gathered tensor leaves (on the host) and scalars."""
+        Returns the gathered tensor leaves (on the host), the scalars and the
+        sizes (:meth:`Rows.sizes`)."""
         size = self.max_size
         assert size is not None  # (apply calls this with max_size only)
         key = (
@@ -171,7 +170,7 @@ class UnevenGather(_call.Op):
             _check_needs(got["shapes"][:, -1].tolist())
             _check_max_size(flat, rows, sizes, size)
             if need <= room:
-                return _unpack(rows, got["data"], sizes, size), got["scalars"]
+                return _unpack(rows, got["data"], sizes, size), got["scalars"], sizes
             room = _rooms[key] = need
 
 
