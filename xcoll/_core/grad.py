@@ -180,9 +180,9 @@ class _Differentiable(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         rule: Rule = ctx.rule
+        travelling = set(rule.leaves)
         tree = optree.tree_unflatten(
-            rule.treespec,
-            [grads[i] if i in rule.leaves else None for i in range(len(grads))],
+            rule.treespec, [g if i in travelling else None for i, g in enumerate(grads)]
         )
         # (differentiable itself under create_graph=True)
         backward = dataclasses.replace(rule.backward, grad=torch.is_grad_enabled())
