@@ -17,8 +17,11 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
 * When thread-per-device replicas reach ``torch_xla.sync()`` together with a
   graph not yet compiled, each thread compiles its own executable and their
   collectives never meet. A process-wide lock around the sync lets the first
-  thread compile and the others hit the cache; with the asynchronous PJRT client
-  the lock is released before execution ends. In a one-replica process it costs
+  thread compile and the others hit the cache; the lock is released once the
+  execution is dispatched, before it ends. (With XLA:CPU's asynchronous PJRT
+  client a step marker could block, lock held, releasing a buffer that an
+  execution waiting at a rendezvous still used: training steps need the
+  synchronous one, docs/gradients.md.) In a one-replica process it costs
   nothing. See :func:`sync` for why it then waits.
 """
 

@@ -146,9 +146,11 @@ class LocalPool(ReplicaPool):
 def xla_cpu_env(world_size: int) -> dict[str, str]:
     """The environment under which W XLA:CPU replicas can run collectives in
     one process (measured; see docs/design.md): W CPU devices, the
-    asynchronous client, a thread pool large enough for every replica to
-    reach a rendezvous, and no special-cased scalar constants (which make
-    replicas' graphs differ). :class:`XlaPool` starts its worker with it.
+    synchronous client (with the asynchronous one, torch_xla's default, a
+    training step's sync deadlocked: docs/gradients.md), a thread pool large
+    enough for every replica to reach a rendezvous, and no special-cased
+    scalar constants (which make replicas' graphs differ). :class:`XlaPool`
+    starts its worker with it.
 
     Args:
         world_size: the number of replicas, W.
