@@ -374,3 +374,19 @@ def test_max_size_runs_again_only_when_a_call_needs_more_room(xla4):
         assert after["executions"] - before["executions"] == runs * w, cols
         for got in results:
             assert_trees(got, _room_expected(w, cols), same_bits)
+
+
+def _no_tensor_leaves(max_size):
+    out = []
+    for _ in range(12):
+        out.append(xcoll.gather({"n": xcoll.rank()}, uneven=True, max_size=max_size)["n"])
+    return out
+
+
+@pytest.mark.parametrize("max_size", [None, 3])
+def test_calls_without_tensor_leaves_in_a_row(max_size):
+    # A fetch of no tensors waited for every device of the process on XLA:
+    # a replica then waited for another's execution, which waited for it
+    # (XLA aborted about one run of 4 such calls in 3 at W=2)
+    pool = shared_pool("xla-cpu-2")
+    assert pool.run(_no_tensor_leaves, [max_size] * 2) == [[[0, 1]] * 12] * 2
