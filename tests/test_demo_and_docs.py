@@ -202,16 +202,22 @@ def test_bench_check_runs_and_reports_the_guard_costs_no_execution():
     assert re.search(r'op="sum" [0-9.]+ ms, a dict of 64 ops [0-9.]+ ms', result.stdout)
 
 
-def test_bench_outputs_reports_a_compile_per_output_count():
-    pytest.importorskip("torch_xla")
+def _bench(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module *args`` from the repository's root, which exits 0."""
     result = subprocess.run(
-        [sys.executable, "-m", "bench.outputs", "--outputs", "1", "8", "--calls", "2"],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=Path(__file__).parent.parent,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_bench_outputs_reports_a_compile_per_output_count():
+    pytest.importorskip("torch_xla")
+    result = _bench("bench.outputs", "--outputs", "1", "8", "--calls", "2")
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if re.match(r"\| \d", line)]
     assert [int(r[0]) for r in rows] == [1, 8]
     for r in rows:  # a first call, a compile (each N is a new program), a time per call
@@ -219,14 +225,7 @@ def test_bench_outputs_reports_a_compile_per_output_count():
 
 
 def test_bench_grad_counts_the_backwards_collectives():
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.grad", "--leaves", "1", "8", "--rounds", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parent.parent,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _bench("bench.grad", "--leaves", "1", "8", "--rounds", "2")
     rows = {
         line.split("|")[1].strip(): re.findall(r"\((\d+)\)", line)
         for line in result.stdout.splitlines()
