@@ -146,14 +146,40 @@ def test_the_watchdogs_diagnosis_names_the_call_and_what_to_do():
     description = _check.Description(lines)
     signature = _guard.Signature("xcoll.reduce", "op=sum", description, "step 3, call 0")
     assert _guard.diagnosis("rank 1", signature, 5.2) == (
-        "xcoll: xcoll.reduce on rank 1 has waited 5 s for the other replicas. A replica that "
-        "skipped this call (its code raised before it), is still in an earlier one or made a "
-        "different call leaves the others waiting: the engine then times out or aborts the "
-        "process. This replica's call: tag: step 3, call 0; parameters: op=sum; 1 leaf: "
-        "tree['x']: float32 tensor of shape (2); structure: PyTreeSpec({'x': *}); description "
-        f"{description.digest.hex()[:16]}. Tag the calls (tag=, xcoll.step) to name a skipped "
-        "one; XCOLL_CHECK=always names a differing one."
+        "xcoll: xcoll.reduce on rank 1 has waited 5 s for the other replicas. This replica's "
+        "call: tag: step 3, call 0; parameters: op=sum; 1 leaf: tree['x']: float32 tensor of "
+        "shape (2); structure: PyTreeSpec({'x': *}); description "
+        f"{description.digest.hex()[:16]}. Causes that fit this wait: (1) a replica has not "
+        "reached this call (its code raised before it and went on, or it is still in an "
+        "earlier call; tag the calls, tag= or xcoll.step, to name a skipped one); (2) a "
+        "replica made a different call whose buffers differ in size (XCOLL_CHECK=always names "
+        "it). The engine then times out, or XLA aborts the process."
     )
+
+
+@pytest.mark.parametrize(
+    "env, client",
+    [
+        ({"PJRT_DEVICE": "CPU"}, True),  # torch_xla's default: the asynchronous client
+        ({"PJRT_DEVICE": "CPU", "PJRT_CPU_ASYNC_CLIENT": "true"}, True),
+        ({"PJRT_DEVICE": "CPU", "PJRT_CPU_ASYNC_CLIENT": "false"}, False),
+        ({"PJRT_DEVICE": "CPU", "PJRT_CPU_ASYNC_CLIENT": "0"}, False),
+        ({"PJRT_DEVICE": "TPU"}, False),
+    ],
+)
+def test_a_diagnosis_names_only_the_causes_that_fit_the_engine(monkeypatch, env, client):
+    from xcoll._guard import guard as _guard
+
+    for name in ("PJRT_DEVICE", "PJRT_CPU_ASYNC_CLIENT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    eager, lazy = _guard.causes(False), _guard.causes(True)
+    # on torch.distributed: no program, no PJRT client
+    assert "has not reached this call" in eager and "(2) a replica made a different" in eager
+    assert "programs" not in eager and "PJRT" not in eager, eager
+    assert "(3) the replicas' programs differ: " in lazy, lazy
+    assert ("(4) torch_xla's asynchronous PJRT CPU client" in lazy) == client, lazy
 
 
 def test_a_world_of_one_starts_no_watch_and_sends_no_header():
@@ -477,27 +503,44 @@ PROGRAMS = [n for n in EVERY if n not in SAME_PROGRAM]
 
 def _aborted(name: str) -> str:
     """What a fresh XLA:CPU W=2 pool reports when its replicas' later call
-    differs as ``name`` says (the replicas compile different programs)."""
+    differs as ``name`` says (the replicas compile different programs), or,
+    for ``"factor"``, when the calls agree but the work pending before them
+    differs (:func:`_per_replica_factor`)."""
     from xcoll.testing import PoolCrashed, XlaPool
 
+    fn = _per_replica_factor if name == "factor" else _later
     with XlaPool(2, grace=2) as pool:
         try:
-            pool.run(_later, [name, name])
+            pool.run(fn, [name, name])
         except PoolCrashed as e:
             return str(e)
     return "the replicas returned"
 
 
+def _per_replica_factor(_):
+    """One call on every replica, but work pending before it that holds a
+    per-replica value made on the device (traced as a constant): the
+    replicas' programs differ (the user's, not xcoll's)."""
+    dev = device()
+    o = torch.ones(2).to(dev) + torch.full((2,), float(xcoll.rank()), device=dev)
+    xcoll.reduce({"loss": o.sum()})
+
+
 def test_different_programs_are_diagnosed_before_xla_aborts():
     # XLA:CPU W=2: the replicas compile different programs and XLA aborts the
-    # process after 10 s; xcoll's watchdog has printed its diagnosis at 5 s.
-    # A pool per difference, all at once: each mostly waits for XLA's abort.
-    with concurrent.futures.ThreadPoolExecutor(len(PROGRAMS)) as ex:
-        reports = dict(zip(PROGRAMS, ex.map(_aborted, PROGRAMS), strict=True))
+    # process after 10 s; xcoll's watchdog has printed its diagnosis at 5 s,
+    # naming the programs among the causes (and not the PJRT client: the
+    # pools run the synchronous one). A pool per difference, all at once:
+    # each mostly waits for XLA's abort.
+    names = [*PROGRAMS, "factor"]
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as ex:
+        reports = dict(zip(names, ex.map(_aborted, names), strict=True))
     for name, text in reports.items():
-        fn = later_case(name, False, "cpu")[0]
+        fn = "reduce" if name == "factor" else later_case(name, False, "cpu")[0]
         assert f"xcoll: xcoll.{fn} on rank" in text, (name, text)
         assert "XCOLL_CHECK=always" in text, (name, text)
+        assert "(3) the replicas' programs differ: " in text, (name, text)
+        assert "PJRT CPU client" not in text, (name, text)
         assert text.index("xcoll: xcoll.") < text.index("Termination timeout"), (name, text)
 
 

@@ -220,6 +220,9 @@ def test_a_call_that_raised_locally_and_waits_is_diagnosed():
         "xcoll: xcoll.gather on rank 0 has waited 1 s for the other replicas. A replica" in printed
     ), printed
     assert "This replica's call: tag: tag='late'; parameters: dim=0 " in printed, printed
+    # gloo: no XLA program, no PJRT client among the causes
+    assert "Causes that fit this wait: (1) a replica has not reached" in printed, printed
+    assert "programs" not in printed and "PJRT" not in printed, printed
     assert "; no leaves; description " in printed, printed
 
 
@@ -527,3 +530,136 @@ def test_crossed_calls_on_overlapping_sub_groups_are_diagnosed():
             rank,
             printed,
         )
+
+
+def _skip_within_a_step(nested: bool):
+    """A loop of 3 steps, each making two reduces of one signature; at step
+    1 the last replica's own code raises before the first (caught inside the
+    step block) and goes on to the second. Its second call meets the others'
+    first: both are "call 0" of the step, so only their places tell them
+    apart. Returns each step's results (or the error's text)."""
+    rank, world = xcoll.rank(), xcoll.world_size()
+    dev = device()
+    out = []
+    for i in range(3):
+        # (uploads, not device arithmetic: on XLA the two calls' programs are one)
+        x = torch.tensor([float(rank)]).to(dev)
+        y = torch.tensor([10.0 * rank]).to(dev)
+        try:
+            with xcoll.step(i), xcoll.step("inner") if nested else contextlib.nullcontext():
+                try:
+                    if i == 1 and rank == world - 1:
+                        raise ValueError("a bad batch")
+                    a = xcoll.reduce({"x": x})["x"].item()
+                except ValueError:
+                    a = None
+                b = xcoll.reduce({"x": y})["x"].item()
+            out.append(("ok", i, a, b))
+        except xcoll.CollectiveMismatchError as e:
+            out.append(("mismatch", i, str(e)))
+            break
+    return out
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_call_skipped_inside_a_step_raises_at_the_next_call_naming_both_places(world, nested):
+    pool = shared_pool(world)
+    w = pool.world_size
+    total = sum(range(w))
+    for rank, steps in enumerate(pool.run(_skip_within_a_step, [nested] * w)):
+        assert steps[0] == ("ok", 0, total, 10.0 * total), (rank, steps)
+        assert len(steps) == 2, (rank, steps)  # never a result paired with the other call
+        kind, i, text = steps[1]
+        assert (kind, i) == ("mismatch", 1), (rank, steps)
+        # both places, each "file:line in function"
+        places = re.findall(r"call 0 at (test_out_of_step\.py:\d+ in _skip_within_a_step)", text)
+        assert len(set(places)) == 2, text
+
+
+def _branches_on_the_rank(tagged: bool):
+    """One collective that rank 0 makes from one line and the others from
+    another, inside a step: a correct program once the call has one tag."""
+    rank = xcoll.rank()
+    x = torch.tensor([float(rank)]).to(device())
+    tag = "seed" if tagged else None
+    try:
+        with xcoll.step(0):
+            if rank == 0:
+                out = xcoll.broadcast({"x": x}, tag=tag)
+            else:
+                out = xcoll.broadcast({"x": x}, tag=tag)
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+    return out["x"].item()
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_one_call_made_from_two_lines_in_a_step_pairs_with_one_tag(world):
+    pool = shared_pool(world)
+    w = pool.world_size
+    assert pool.run(_branches_on_the_rank, [True] * w) == [0.0] * w
+    # untagged, the two places differ: named on the receivers (gloo's
+    # broadcast is a star from src, whose result is its own either way)
+    for rank, text in enumerate(pool.run(_branches_on_the_rank, [False] * w)):
+        if rank or world.startswith("xla"):
+            assert isinstance(text, str) and "in _branches_on_the_rank" in text, (rank, text)
+
+
+def _helper(tree):
+    """A user's helper around xcoll: the place of its call is its own line,
+    and the lines that called it."""
+    return xcoll.reduce(tree)
+
+
+def _skip_through_a_helper(_):
+    rank, world = xcoll.rank(), xcoll.world_size()
+    x = torch.tensor([float(rank)]).to(device())
+    y = torch.tensor([10.0 * rank]).to(device())
+    try:
+        with xcoll.step(0):
+            try:
+                if rank == world - 1:
+                    raise ValueError("a bad batch")
+                _helper({"x": x})
+            except ValueError:
+                pass
+            return ("ok", _helper({"x": y})["x"].item())
+    except xcoll.CollectiveMismatchError as e:
+        return ("mismatch", str(e))
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-4"])
+def test_a_skip_through_a_helper_is_named_by_the_lines_that_called_it(world):
+    pool = shared_pool(world)
+    for rank, (kind, text) in enumerate(pool.run(_skip_through_a_helper, [None] * pool.world_size)):
+        assert kind == "mismatch", (rank, text)
+        assert "in _helper <- test_out_of_step.py:" in text, text
+
+
+def _one_backward_each(step: bool):
+    """Two differentiable gathers A and B of one signature; rank 0's loss
+    uses A only, the others' B only: each backward would pair with the other
+    call's backward (the same signature, the same tag)."""
+    dev = device()
+    x = torch.tensor([1.0, 2.0]).to(dev).requires_grad_()
+    try:
+        with xcoll.step(0) if step else contextlib.nullcontext():
+            a = xcoll.gather({"x": x}, grad=True)["x"]
+            b = xcoll.gather({"x": x}, grad=True)["x"]
+            (a if xcoll.rank() == 0 else b).sum().backward()
+            xcoll.sync()
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+    return x.grad.cpu().tolist()
+
+
+@pytest.mark.parametrize("step", [False, True])
+@pytest.mark.parametrize("world", WORLDS)
+def test_backwards_of_different_calls_never_pair(world, step):
+    pool = shared_pool(world)
+    for rank, text in enumerate(pool.run(_one_backward_each, [step] * pool.world_size)):
+        assert isinstance(text, str), (rank, text)  # never a gradient
+        assert "xcoll.gather backward" in text, text
+        numbers = re.findall(r"backward of call (\d+)", text)
+        assert len(set(numbers)) == 2, text

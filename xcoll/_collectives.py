@@ -13,6 +13,7 @@ from . import _backends
 from ._core import call as _call
 from ._core import grad as _grad
 from ._core import uneven as _uneven
+from ._guard import guard as _guard
 from ._guard import watchdog as _watchdog
 
 
@@ -304,13 +305,13 @@ def sync() -> None:
     if transport.world_size() == 1:
         transport.sync()
         return
-    with _watchdog.watch(_waited):
+    lazy = transport.lazy
+    with _watchdog.watch(lambda seconds: _waited(seconds, lazy)):
         transport.sync()
 
 
-def _waited(seconds: float) -> str:
+def _waited(seconds: float, lazy: bool) -> str:
     return (
         f"xcoll: xcoll.sync has waited {seconds:.0f} s: the pending collectives of calls made "
-        "with sync=False wait for a replica that has not made the same calls (it skipped one, "
-        "or raised before it); the engine then times out or aborts the process"
+        f"with sync=False wait for the other replicas. {_guard.causes(lazy)}"
     )

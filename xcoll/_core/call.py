@@ -425,8 +425,9 @@ def call(
 
 def called(
     op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
-) -> tuple[Any, Any]:
-    """:func:`call`, and what a backward needs of it (:meth:`Op.apply`)."""
+) -> tuple[Any, Any, _guard.Signature | None]:
+    """:func:`call`, what a backward needs of it (:meth:`Op.apply`), and its
+    guard's signature (whose tag and number its backward is named by)."""
     flat = transport = plan = error = None
     try:
         flat = _tree.flatten(tree)
@@ -446,7 +447,7 @@ def called(
     try:
         with _guard.entered(transport, op.name, head, description, error, tag=tag) as sig:
             assert flat is not None and plan is not None  # (else entered raised the error)
-            return op.apply(flat, transport, plan, sync, to_cpu, sig)
+            return (*op.apply(flat, transport, plan, sync, to_cpu, sig), sig)
     finally:
         # An error raised here has this frame in its traceback: cleared, the
         # frame no longer holds the error (a cycle that only a later garbage

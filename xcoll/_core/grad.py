@@ -43,6 +43,8 @@ import torch
 
 from .. import _backends
 from .._backends.base import Transport
+from .._guard import guard as _guard
+from .._guard import steps as _steps
 from . import call as _call
 from . import memo as _memo
 from . import tree as _tree
@@ -169,12 +171,12 @@ class _Differentiable(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, tree, group, how, *tensors):
         sync, to_cpu, tag = how
-        out, ctx.sizes = _call.called(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+        out, ctx.sizes, sig = _call.called(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
         flat = _tree.flatten(tree)
         key = (op.name, op.src, op.key(flat, 1))
         ctx.rule = _rules.get(key, Rule.of, op, flat)
         ctx.transport = _backends.resolve(flat, group)
-        ctx.group, ctx.tag = group, tag
+        ctx.group, ctx.identity = group, _identity(sig)
         return tuple(flat.treespec.flatten_up_to(out))
 
     @staticmethod
@@ -191,10 +193,21 @@ class _Differentiable(torch.autograd.Function):
         alone = rule.kind == "uneven"
         if alone:
             ctx.transport.sync()
-        out = call(backward, tree, ctx.group, sync=alone, to_cpu=False, tag=ctx.tag)
+        out = call(backward, tree, ctx.group, sync=alone, to_cpu=False, tag=ctx.identity)
         reduced = optree.tree_leaves(out, none_is_leaf=False)
         taken = dict(zip(rule.leaves, rule.take(reduced, ctx.transport, ctx.sizes), strict=True))
         return (None,) * 4 + tuple(taken.get(i) for i in rule.tensors)
+
+
+def _identity(forward: _guard.Signature | None) -> _steps.Identity:
+    """What a backward is named by: its forward call's number on this thread
+    and group, and its tag (so it pairs only with the backward of the same
+    forward call on every replica, whichever thread runs it and whatever
+    blocks are open then). Unguarded (a world of one, mode "never"): none."""
+    if forward is None:
+        return _steps.Identity("")
+    text = f"backward of call {forward.number}"
+    return _steps.Identity(f"{text} ({forward.tag})" if forward.tag else text)
 
 
 def call(op: _call.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: Any) -> Any:

@@ -47,6 +47,7 @@ buffer (gloo, when sizes differ), the front is what arrives.
 from __future__ import annotations
 
 import functools
+import os
 import struct
 import threading
 import weakref
@@ -81,6 +82,9 @@ class Signature:
     description: _check.Description
     #: The call's step tag (:mod:`xcoll._guard.steps`), "" for an untagged call.
     tag: str = ""
+    #: The call's number among this thread's calls on its group (not in the
+    #: fingerprint: a backward's tag names its forward by it).
+    number: int = 0
 
     def fingerprint(self) -> bytes:
         key = (self.name, self.head, self.description.digest)
@@ -264,18 +268,54 @@ def _summary(s: Signature) -> str:
     return f"tag: {s.tag or '(none)'}; parameters: {s.head or '(none)'}; {leaves}"
 
 
-def diagnosis(rank: str, signature: Signature, seconds: float) -> str:
+def diagnosis(rank: str, signature: Signature, seconds: float, lazy: bool = False) -> str:
     """What the watchdog prints when a call has waited ``seconds`` for the
     other replicas (``rank``: named on the replica's thread; on XLA the rank
-    is per thread)."""
+    is per thread; ``lazy``: on XLA, whose own causes it names too)."""
     return (
         f"xcoll: {signature.name} on {rank} has waited {seconds:.0f} s for the other replicas. "
-        "A replica that skipped this call (its code raised before it), is still in an earlier "
-        "one or made a different call leaves the others waiting: the engine then times out or "
-        f"aborts the process. This replica's call: {_summary(signature)}; description "
-        f"{signature.description.digest.hex()[:16]}. Tag the calls (tag=, xcoll.step) to name "
-        "a skipped one; XCOLL_CHECK=always names a differing one."
+        f"This replica's call: {_summary(signature)}; description "
+        f"{signature.description.digest.hex()[:16]}. {causes(lazy)}"
     )
+
+
+def causes(lazy: bool) -> str:
+    """What can make a replica wait in a collective, as far as xcoll can tell
+    from here: the causes on every engine, and on XLA (``lazy``) the
+    programs and, on XLA:CPU, the PJRT client of this process."""
+    found = [
+        "a replica has not reached this call (its code raised before it and went on, or it "
+        "is still in an earlier call; tag the calls, tag= or xcoll.step, to name a skipped one)",
+        "a replica made a different call whose buffers differ in size (XCOLL_CHECK=always "
+        "names it)",
+    ]
+    if lazy:
+        found.append(
+            "the replicas' programs differ: work pending before the call traced from a "
+            "per-replica Python value (a factor 0 or 1, as in x * rank, is a constant on that "
+            "replica alone), a data-dependent shape, or a torch_xla.sync() or .item() of "
+            "pending collectives outside xcoll.sync() (README, 'On XLA: one program on every "
+            "replica')"
+        )
+        if _async_cpu_client():
+            found.append(
+                "torch_xla's asynchronous PJRT CPU client, in use here, deadlocks XLA:CPU steps "
+                "with sync=False calls: set PJRT_CPU_ASYNC_CLIENT=false where the replicas "
+                "start (docs/launchers.md)"
+            )
+    listed = "; ".join(f"({k}) {c}" for k, c in enumerate(found, 1))
+    return (
+        f"Causes that fit this wait: {listed}. The engine then times out, or XLA aborts the "
+        "process."
+    )
+
+
+def _async_cpu_client() -> bool:
+    """Whether XLA's runtime here is the CPU's, with its asynchronous client
+    (torch_xla's default, unless PJRT_CPU_ASYNC_CLIENT is false or 0)."""
+    if os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
+        return False
+    return os.environ.get("PJRT_CPU_ASYNC_CLIENT", "true").strip().lower() not in ("false", "0")
 
 
 class ConcurrentCallError(_check.CollectiveMismatchError):
@@ -324,15 +364,18 @@ class entered:
         self.busy.__enter__()
         try:
             try:
-                tag = _steps.tag(t.group_key, self.explicit)
+                tag, number = _steps.tag(t.group_key, self.explicit)
             except TypeError as e:
-                tag, error = "", error or e
+                tag, number, error = "", 0, error or e
             d = self.description or _check.Description(())
-            signature = Signature(self.name, self.head, d, tag)
+            signature = Signature(self.name, self.head, d, tag, number)
             if t.world_size() > 1:
                 # (the rank is read here: on XLA it is per thread)
                 rank = t.rank_name(t.rank())
-                self.watch = _watchdog.watch(lambda seconds: diagnosis(rank, signature, seconds))
+                lazy = t.lazy
+                self.watch = _watchdog.watch(
+                    lambda seconds: diagnosis(rank, signature, seconds, lazy)
+                )
                 self.watch.__enter__()
             # (beyond EXACT_SUMS replicas a guard header summed in 8-bit
             # integers could wrap: every call is then checked in full too)

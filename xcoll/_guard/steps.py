@@ -1,50 +1,99 @@
-"""Step tags: which step of the program a call belongs to, in its fingerprint.
+"""Step tags: which step of the program a call belongs to, and where in the
+program it is made, in its fingerprint.
 
 Collectives pair by order: a replica that skips a call (its own code raised
 before it, the error was caught, the loop went on) pairs its next call with the
 others' skipped one, and where the two calls have the same signature nothing
 else can tell them apart. A tag names the call: ``tag=`` on the call itself,
-and every :func:`step` block around it (per thread: on XLA a replica is a
+or every :func:`step` block around it (per thread: on XLA a replica is a
 thread), with the call's number within the innermost block on its process
-group. The tag is part of the call's fingerprint, so it costs no collective,
-and calls whose tags differ raise :class:`xcoll.CollectiveMismatchError` on
-every replica, naming both tags.
+group and its place in the program: the lines, from the call up to the
+block's own line, that led to it. The tag is part of the call's fingerprint,
+so it costs no collective, and calls whose tags differ raise
+:class:`xcoll.CollectiveMismatchError` on every replica, naming both tags.
+
+A call's place is read from the interpreter's frames (each frame's file name
+without its folder, function and line: replicas started from different paths
+agree), about a microsecond per call. Two calls that are the same collective
+on purpose but are made from different lines on different replicas (a branch
+on the rank around the call) must say so with the same ``tag=``, which names
+the call instead of its place.
+
+A differentiable call's backward carries its forward's :class:`Identity` (the
+forward's tag and its number among this thread's calls on its group), not the
+blocks open when the backward runs: a backward pairs only with the backward of
+the same forward call, whichever thread runs it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from types import CodeType, FrameType
 from typing import Any
 
-_local = threading.local()  # this thread's open step blocks, outermost first
+_local = threading.local()  # this thread's open step blocks, outermost first; its call numbers
+
+#: Frames of a call's place at most (the call's own line first): a step
+#: opened far above the call is named by the lines nearest the call.
+DEPTH = 8
+#: The longest tag text kept as it is; a longer one is cut, its rest hashed.
+LONGEST = 80
+_PRIVATE = "xcoll._"  # xcoll's own modules' names: a call's place is outside them
 
 
 @dataclass
 class _Block:
     label: str
+    #: The frame whose ``with`` opened the block: a call's place ends there.
+    frame: FrameType | None
     #: calls entered so far in this block, per process group (Transport.group_key)
     calls: dict[Hashable, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Identity:
+    """A call's tag given whole (a backward's: its forward's), in place of
+    the one its blocks and place would give."""
+
+    text: str
+
+
 def check(tag: Any) -> str:
-    """``tag`` (a str or an int) as it is written in a call's tag."""
+    """``tag`` (a str or an int) as it is written in a call's tag: its
+    ``repr``, cut to :data:`LONGEST` characters and a hash of the whole where
+    it is longer (the hash keeps tags that differ apart)."""
     if isinstance(tag, bool) or not isinstance(tag, (str, int)):
         raise TypeError(f"a step or call tag must be a str or an int, got {type(tag).__qualname__}")
-    return repr(tag)
+    text = repr(tag)
+    if len(text) <= LONGEST:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{text[: LONGEST - 24]}... (sha256 {digest})"
 
 
 class step:
     """Tags every xcoll call that this thread makes inside the block.
 
     A call's tag becomes ``step <tags of the open blocks, outermost first>,
-    call <n>``, where ``n`` counts the calls on the call's process group
-    since the innermost block opened (so a replica whose call raised on its
-    own, before communicating, and that goes on, is named at its next call
-    too). Every replica must open the same blocks around the same calls;
-    where a replica's call meets a call with another tag, every replica
-    raises :class:`xcoll.CollectiveMismatchError` naming both.
+    call <n> at <place>``, where ``n`` counts the calls on the call's process
+    group since the innermost block opened, and ``place`` is where the
+    program made the call: ``file:line in function`` for each frame from the
+    call up to the block's own line (at most 8), file names without their
+    folders. So a replica whose own code raised before a call (caught inside
+    the block) and that goes on to the step's next call is named at that
+    call, and a replica that skipped the step's last call is named where the
+    others' next step begins. Every replica must open the same blocks around
+    the same calls; where a replica's call meets a call with another tag,
+    every replica raises :class:`xcoll.CollectiveMismatchError` naming both.
+    A call with ``tag=`` inside a block is named by the blocks and that tag,
+    not by its place: give one ``tag=`` to a call that different replicas
+    make from different lines (``if rank == 0: xcoll.broadcast(x) else:
+    xcoll.broadcast(y)``).
 
     Args:
         tag: the step's name, a str or an int (e.g. the batch index).
@@ -65,23 +114,62 @@ class step:
 
     def __enter__(self) -> None:
         blocks = _local.__dict__.setdefault("blocks", [])
-        blocks.append(_Block(self.label))
+        blocks.append(_Block(self.label, sys._getframe(1)))
 
     def __exit__(self, *exc: object) -> None:
         _local.blocks.pop()
 
 
-def tag(group_key: Hashable, explicit: Any = None) -> str:
-    """The tag of a call entered now on ``group_key``'s group (counted in the
-    innermost open block), with its own ``explicit`` tag: "" for an untagged
-    call outside any block."""
+def tag(group_key: Hashable, explicit: Any = None) -> tuple[str, int]:
+    """The tag of a call entered now on ``group_key``'s group, with its own
+    ``explicit`` tag ("" for an untagged call outside any block; an
+    :class:`Identity` is the tag), and its number among this thread's calls
+    on that group (what a backward names its forward by)."""
+    numbers = _local.__dict__.setdefault("numbers", {})
+    number = numbers[group_key] = numbers.get(group_key, -1) + 1
+    if isinstance(explicit, Identity):
+        return explicit.text, number
     blocks = getattr(_local, "blocks", None)
     parts = []
     if blocks:
         inner = blocks[-1]
         n = inner.calls.get(group_key, 0)
         inner.calls[group_key] = n + 1
-        parts.append(f"step {'/'.join(b.label for b in blocks)}, call {n}")
+        where = "" if explicit is not None else f" at {place(inner.frame)}"
+        parts.append(f"step {'/'.join(b.label for b in blocks)}, call {n}{where}")
     if explicit is not None:
         parts.append(f"tag={check(explicit)}")
-    return "; ".join(parts)
+    return "; ".join(parts), number
+
+
+# (code, line) of each frame of a place -> its text; cleared when it grows
+# past _SITES entries (code made at run time, by exec, is new each time)
+_places: dict[tuple[tuple[CodeType, int], ...], str] = {}
+_SITES = 4096
+
+
+def place(stop: FrameType | None) -> str:
+    """Where the program made the call now being entered: the frames from
+    the first outside xcoll's own modules up to ``stop`` (or :data:`DEPTH`
+    frames), innermost first."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__", "").startswith(_PRIVATE):
+        f = f.f_back
+    key = []
+    while f is not None and len(key) < DEPTH:
+        key.append((f.f_code, f.f_lineno))
+        if f is stop:
+            break
+        f = f.f_back
+    frames = tuple(key)
+    text = _places.get(frames)
+    if text is None:
+        if len(_places) >= _SITES:
+            _places.clear()
+        text = _places[frames] = " <- ".join(_named(c, line) for c, line in frames)
+    return text
+
+
+def _named(code: CodeType, line: int) -> str:
+    name = getattr(code, "co_qualname", code.co_name)  # (3.11+)
+    return f"{os.path.basename(code.co_filename)}:{line} in {name}"

@@ -233,7 +233,7 @@ class _SpawnedPool(ReplicaPool):
         self._conns.append(conn)
         self._logs.append(log)
 
-    def stderr_tail(self, n: int = 4000) -> str:
+    def stderr_tail(self, n: int = 8000) -> str:
         """The end of each worker's stderr, as the pool's errors quote it.
 
         After a fatal signal: the end of what came before faulthandler's dump
