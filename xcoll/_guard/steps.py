@@ -48,7 +48,8 @@ _PRIVATE = "xcoll._"  # xcoll's own modules' names: a call's place is outside th
 
 @dataclass
 class _Block:
-    label: str
+    #: "step <the open blocks' tags, outermost first>"
+    prefix: str
     #: The frame whose ``with`` opened the block: a call's place ends there.
     frame: FrameType | None
     #: calls entered so far in this block, per process group (Transport.group_key)
@@ -114,7 +115,8 @@ class step:
 
     def __enter__(self) -> None:
         blocks = _local.__dict__.setdefault("blocks", [])
-        blocks.append(_Block(self.label, sys._getframe(1)))
+        prefix = f"{blocks[-1].prefix}/{self.label}" if blocks else f"step {self.label}"
+        blocks.append(_Block(prefix, sys._getframe(1)))
 
     def __exit__(self, *exc: object) -> None:
         _local.blocks.pop()
@@ -136,15 +138,17 @@ def tag(group_key: Hashable, explicit: Any = None) -> tuple[str, int]:
         n = inner.calls.get(group_key, 0)
         inner.calls[group_key] = n + 1
         where = "" if explicit is not None else f" at {place(inner.frame)}"
-        parts.append(f"step {'/'.join(b.label for b in blocks)}, call {n}{where}")
+        parts.append(f"{inner.prefix}, call {n}{where}")
     if explicit is not None:
         parts.append(f"tag={check(explicit)}")
     return "; ".join(parts), number
 
 
-# (code, line) of each frame of a place -> its text; cleared when it grows
-# past _SITES entries (code made at run time, by exec, is new each time)
-_places: dict[tuple[tuple[CodeType, int], ...], str] = {}
+# The ids and lines of a place's frames -> its text, and the code objects
+# (kept, so that no id is reused while it is a key); cleared when it grows
+# past _SITES entries (code made at run time, by exec, is new each time).
+# (ids, not code objects: a code object's hash reads its whole body)
+_places: dict[tuple[int, ...], tuple[str, tuple[CodeType, ...]]] = {}
 _SITES = 4096
 
 
@@ -155,18 +159,21 @@ def place(stop: FrameType | None) -> str:
     f: FrameType | None = sys._getframe(1)
     while f is not None and f.f_globals.get("__name__", "").startswith(_PRIVATE):
         f = f.f_back
+    frames = []
     key = []
-    while f is not None and len(key) < DEPTH:
-        key.append((f.f_code, f.f_lineno))
+    while f is not None and len(frames) < DEPTH:
+        frames.append(f)
+        key += (id(f.f_code), f.f_lineno)
         if f is stop:
             break
         f = f.f_back
-    frames = tuple(key)
-    text = _places.get(frames)
-    if text is None:
-        if len(_places) >= _SITES:
-            _places.clear()
-        text = _places[frames] = " <- ".join(_named(c, line) for c, line in frames)
+    known = _places.get(tuple(key))
+    if known is not None:
+        return known[0]
+    if len(_places) >= _SITES:
+        _places.clear()
+    text = " <- ".join(_named(f.f_code, f.f_lineno) for f in frames)
+    _places[tuple(key)] = (text, tuple(f.f_code for f in frames))
     return text
 
 
