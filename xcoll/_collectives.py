@@ -17,6 +17,17 @@ from ._guard import guard as _guard
 from ._guard import watchdog as _watchdog
 
 
+def _flags(**flags: Any) -> None:
+    """Refuses a flag that is not a bool: truthiness would read ``sync="no"``
+    as True. One ``type`` test per flag: it runs on every call."""
+    for name, value in flags.items():
+        if type(value) is not bool:
+            raise TypeError(f"{name} must be a bool (True or False), got {value!r:.80}")
+
+
+_OPS_NAMED = " ".join(f'"{o}"' for o in _call.OPS)
+
+
 def gather(
     tree: Any,
     *,
@@ -93,7 +104,9 @@ def gather(
             complex, sparse, nested or meta tensor), leaves on two devices, CPU
             leaves in a process that runs XLA replicas, a ``dim`` or ``tag`` of
             the wrong type; raised before any communication, naming the leaf's
-            path.
+            path. A flag (``stack``, ``sync``, ``to_cpu``, ``uneven``,
+            ``grad``) that is not a bool, a ``group`` that is neither a
+            process group nor None, naming the argument.
         ValueError: ``dim`` out of range, ``uneven`` with ``stack``, a leaf
             larger than ``max_size``, Python scalars or ``to_cpu`` with
             ``sync=False``, ``to_cpu`` with ``grad``, ``group`` with XLA
@@ -113,6 +126,7 @@ def gather(
     >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
     {'x': tensor([1, 2]), 'n': [3]}
     """
+    _flags(stack=stack, sync=sync, to_cpu=to_cpu, uneven=uneven, grad=grad)
     if uneven or max_size is not None:
         op: _call.Op = _uneven.UnevenGather(dim, max_size, stack, grad)
     else:
@@ -166,8 +180,11 @@ def reduce(
     Raises:
         TypeError: an unsupported leaf (as in :func:`gather`), or an op its
             dtype refuses (mean of integers or bools, sum of bools), naming
-            the leaf's path; before any communication.
-        ValueError: an unknown op, an op tree that is not a prefix of ``tree``,
+            the leaf's path; before any communication. A flag (``sync``,
+            ``to_cpu``, ``grad``) that is not a bool, or a ``group`` as in
+            :func:`gather`.
+        ValueError: an unknown op (None included), an op tree that is not a
+            prefix of ``tree`` (naming where they part),
             Python scalars or ``to_cpu`` with ``sync=False``, ``to_cpu`` with
             ``grad``, an op other than sum and mean of a floating leaf with
             ``grad``, ``group`` with XLA leaves or on a rank that is not its
@@ -181,6 +198,12 @@ def reduce(
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
     {'loss': tensor(0.5000), 'n': 4}
     """
+    _flags(sync=sync, to_cpu=to_cpu, grad=grad)
+    if op is None:  # (optree reads None as an empty tree: its own error named none of this)
+        raise ValueError(
+            f"op must be one of {_OPS_NAMED}, or a prefix tree of them "
+            '(e.g. {"loss": "mean", "n": "sum"}), got None'
+        )
     return _grad.call(_call.Reduce(op, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
 
@@ -220,7 +243,9 @@ def broadcast(
         Python scalar leaves).
 
     Raises:
-        TypeError: an unsupported leaf (as in :func:`gather`), naming its path.
+        TypeError: an unsupported leaf (as in :func:`gather`), naming its
+            path; a flag (``sync``, ``to_cpu``, ``grad``) that is not a bool,
+            or a ``group`` as in :func:`gather`.
         ValueError: ``src`` is not a rank in ``[0, W)``; Python scalars or
             ``to_cpu`` with ``sync=False``; ``to_cpu`` with ``grad``; ``group``
             with XLA leaves or on a rank that is not its member.
@@ -235,6 +260,7 @@ def broadcast(
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
     {'seed': 7, 'w': tensor([1., 1.])}
     """
+    _flags(sync=sync, to_cpu=to_cpu, grad=grad)
     op = _call.Broadcast(src, grad)
     return _grad.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
@@ -251,6 +277,8 @@ def rank(group: Any = None) -> int:
         ``group``, or 0 in a plain single process (a world of one).
 
     Raises:
+        TypeError: ``group`` is neither a torch.distributed process group nor
+            None.
         ValueError: ``group`` is one this process is not a member of.
         RuntimeError: a launcher started this process as one of several
             (``WORLD_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE`` > 1) but no
@@ -275,6 +303,7 @@ def world_size(group: Any = None) -> int:
         default process group), or 1 in a plain single process.
 
     Raises:
+        TypeError: as in :func:`rank`.
         ValueError: as in :func:`rank`.
         RuntimeError: as in :func:`rank`.
 

@@ -44,6 +44,48 @@ def _xla_device() -> Any:
     return sys.modules["torch_xla"].device() if _backends.xla_runtime_running() else None
 
 
+def _check_generators(generators: Any) -> None:
+    """Refuses ``generators=`` that is not a sequence of torch.Generator (a str
+    is a sequence too, of str: its first ``get_state`` failed)."""
+    if isinstance(generators, (str, bytes)) or not isinstance(generators, Sequence):
+        raise TypeError(
+            "generators must be a list or tuple of torch.Generator, "
+            f"got {type(generators).__qualname__} {generators!r:.80}"
+        )
+    for i, g in enumerate(generators):
+        if not isinstance(g, torch.Generator):
+            raise TypeError(
+                f"generators[{i}] must be a torch.Generator, got {type(g).__qualname__} {g!r:.80}"
+            )
+
+
+# What every tree of rng_state holds (and its "python" dict); "numpy", "cuda"
+# and "xla" where those generators were in use.
+_KEYS = ("torch", "python", "generators")
+_PYTHON_KEYS = ("version", "internal", "has_gauss", "gauss")
+
+
+def _check_state(state: Any, generators: Sequence[torch.Generator]) -> None:
+    """Refuses, before any generator is set, a ``state`` that is not a tree of
+    :func:`rng_state`, or one that holds another number of generators."""
+    _check_generators(generators)
+    made = "state must be what xcoll.rng_state() returns"
+    if not isinstance(state, dict):
+        raise TypeError(f"{made} (a dict), got {type(state).__qualname__} {state!r:.80}")
+    missing = [k for k in _KEYS if k not in state]
+    if missing:
+        raise ValueError(f"{made}: it lacks the keys {missing} (it has {list(state)!r:.80})")
+    python = state["python"]
+    if not isinstance(python, dict) or any(k not in python for k in _PYTHON_KEYS):
+        raise ValueError(f"{made}: state['python'] is not a dict with keys {list(_PYTHON_KEYS)}")
+    if not isinstance(state["generators"], (list, tuple)):
+        raise ValueError(f"{made}: state['generators'] is not a list")
+    if len(state["generators"]) != len(generators):
+        raise ValueError(
+            f"the state holds {len(state['generators'])} generators, {len(generators)} were passed"
+        )
+
+
 def rng_state(generators: Sequence[torch.Generator] = ()) -> dict[str, Any]:
     """The states of every generator in use, as a pytree.
 
@@ -61,7 +103,8 @@ def rng_state(generators: Sequence[torch.Generator] = ()) -> dict[str, Any]:
         applies.
 
     Raises:
-        AttributeError: an item of ``generators`` is not a ``torch.Generator``.
+        TypeError: ``generators`` is not a list or tuple of ``torch.Generator``
+            (naming the item that is not one).
 
     >>> import random, xcoll
     >>> state = xcoll.rng_state()
@@ -70,6 +113,7 @@ def rng_state(generators: Sequence[torch.Generator] = ()) -> dict[str, Any]:
     >>> random.random() == first
     True
     """
+    _check_generators(generators)
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -112,8 +156,11 @@ def set_rng_state(state: dict[str, Any], generators: Sequence[torch.Generator] =
             holds, in the order they were passed to :func:`rng_state`.
 
     Raises:
-        ValueError: ``generators`` is not as long as the list ``state`` holds.
-        KeyError: ``state`` is not a tree that :func:`rng_state` made.
+        TypeError: ``state`` is not a dict, or ``generators`` is not a list or
+            tuple of ``torch.Generator``.
+        ValueError: ``state`` is not a tree that :func:`rng_state` made (naming
+            the keys it lacks), or ``generators`` is not as long as the list
+            ``state`` holds. Raised before any generator is set.
 
     >>> import torch, xcoll
     >>> state = xcoll.rng_state()
@@ -122,6 +169,7 @@ def set_rng_state(state: dict[str, Any], generators: Sequence[torch.Generator] =
     >>> torch.equal(torch.rand(2), a)
     True
     """
+    _check_state(state, generators)
     # Own storage for every tensor: torch.set_rng_state reads the storage, and a
     # view into a packed buffer (what a collective returns) crashes it.
     cpu: dict[str, Any] = _map_tensors(lambda x: x.cpu().clone(), state)
@@ -129,10 +177,6 @@ def set_rng_state(state: dict[str, Any], generators: Sequence[torch.Generator] =
     py = cpu["python"]
     internal = tuple(int(v) for v in py["internal"].tolist())
     random.setstate((py["version"], internal, py["gauss"] if py["has_gauss"] else None))
-    if len(cpu["generators"]) != len(generators):
-        raise ValueError(
-            f"the state holds {len(cpu['generators'])} generators, {len(generators)} were passed"
-        )
     for g, s in zip(generators, cpu["generators"], strict=True):
         g.set_state(s)
     if "numpy" in cpu:
@@ -173,6 +217,9 @@ def sync_rng_state(
         tag: as in :func:`xcoll.gather`.
 
     Raises:
+        TypeError: ``generators`` is not a list or tuple of ``torch.Generator``,
+            or ``group`` is neither a process group nor None; before any
+            communication.
         ValueError: ``src`` is not a rank in ``[0, W)``.
         xcoll.CollectiveMismatchError: the replicas' calls differ (``src``, or
             the generators read: docs/reliability.md).
@@ -182,6 +229,7 @@ def sync_rng_state(
     >>> import xcoll
     >>> xcoll.sync_rng_state()  # a world of one: its own states
     """
+    _check_generators(generators)
     transport = _backends.current(group)
     head = f"src={src} generators={len(generators)}"
     name = "xcoll.sync_rng_state"

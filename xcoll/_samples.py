@@ -8,6 +8,7 @@ with its data makes both fixable without any hidden state.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -38,7 +39,8 @@ def by_index(tree: Any, index: torch.Tensor, *, dim: int = 0, length: int | None
     Raises:
         TypeError: ``index`` is not a 1-d integer tensor; an unsupported leaf
             (as in :func:`xcoll.gather`).
-        ValueError: with ``length``, the indices are not exactly
+        ValueError: ``length`` is not None or a non-negative int (a bool
+            or a float included); with ``length``, the indices are not exactly
             ``0 .. length - 1`` (naming what is missing or outside); a tensor
             leaf without one sample per index along ``dim``, naming its path.
 
@@ -52,6 +54,7 @@ def by_index(tree: Any, index: torch.Tensor, *, dim: int = 0, length: int | None
         raise TypeError(
             f"index must be a 1-d integer tensor, got {index.dtype} of shape {tuple(index.shape)}"
         )
+    length = _length(length)
     flat = _tree.flatten(tree)
     unique, inverse = torch.unique(index, return_inverse=True)
     positions = torch.arange(len(index), device=index.device)
@@ -75,3 +78,20 @@ def by_index(tree: Any, index: torch.Tensor, *, dim: int = 0, length: int | None
             )
         out.append(leaf.index_select(d, first.to(leaf.device)))
     return flat.unflatten(out)
+
+
+def _length(length: Any) -> int | None:
+    """``length`` as an int: what an index takes (an int, a NumPy int, an
+    integer tensor of one element), but not a bool, which counts as 0 or 1
+    (before, -1 and 2.0 failed inside torch.arange and True was 1)."""
+    if length is None:
+        return None
+    n = -1
+    if not isinstance(length, bool) and getattr(length, "dtype", None) != torch.bool:
+        try:
+            n = operator.index(length)
+        except TypeError:
+            pass
+    if n < 0:
+        raise ValueError(f"length must be None or a non-negative int, got {length!r:.80}")
+    return n

@@ -43,6 +43,26 @@ def _dist_running(group: Any) -> bool:
     return group is not None or (dist.is_available() and dist.is_initialized())
 
 
+def check_group(group: Any) -> None:
+    """Refuses a ``group=`` that is not a process group before anything uses
+    it (a str there failed deep inside torch.distributed, as an AttributeError
+    on ``.size``). ``NON_GROUP_MEMBER``, an int, passes: :class:`DistTransport`
+    names it."""
+    if group is None:
+        return
+    import torch.distributed as dist  # part of torch, imported with it
+
+    if isinstance(group, getattr(dist, "ProcessGroup", ())):
+        return
+    member = getattr(dist, "GroupMember", None)
+    if isinstance(group, int) and group == getattr(member, "NON_GROUP_MEMBER", None):
+        return
+    raise TypeError(
+        "group must be a torch.distributed ProcessGroup (as dist.new_group returns) or None, "
+        f"got {type(group).__qualname__} {group!r:.80}"
+    )
+
+
 def _alone(device: torch.device | None = None) -> Transport:
     """A world of one: what a process is unless a launcher started it as one of
     several (torchrun, mpirun), whose world is then missing; raised rather than
@@ -59,6 +79,7 @@ def current(group: Any = None) -> Transport:
     ``group``'s if given, else XLA's if its runtime is running here, else the
     default process group's if initialised, else a world of one (where the
     environment does not say this process is one of several)."""
+    check_group(group)
     if group is None and xla_runtime_running():
         from . import xla
 
@@ -78,6 +99,7 @@ def resolve(flat: Flat, group: Any = None) -> Transport:
     initialised (or ``group`` is given); otherwise a world of one (as in
     :func:`current`).
     """
+    check_group(group)
     if len(flat.devices) > 1:
         tensors = [i for i, leaf in enumerate(flat.leaves) if isinstance(leaf, torch.Tensor)]
         first = tensors[0]

@@ -256,7 +256,7 @@ def _first_twin_keys(treespec: optree.PyTreeSpec) -> tuple[str, type, str]:
 
 
 def _short_path(entries: tuple[Any, ...]) -> str:
-    return "tree" + "".join(_shown([optree.PyTreeAccessor((e,)).codify("") for e in entries]))
+    return _path(entries, "tree")
 
 
 def _shown(steps: Any) -> tuple[str, ...]:
@@ -340,8 +340,53 @@ def broadcast_prefix(prefix: Any, flat: Flat, what: str) -> list[Any]:
     try:
         full = optree.tree_broadcast_prefix(prefix, skeleton, none_is_leaf=False)
     except ValueError as e:
-        raise ValueError(f"{what} must be a str or a prefix tree of the data tree: {e}") from None
+        # (optree's own text shows the skeleton's leaf indices: "got {'a': 0}")
+        where = _parting(optree.tree_structure(prefix, none_is_leaf=False), flat.treespec, what)
+        raise ValueError(
+            f"{what} must be a str or a prefix tree of the data tree: {where or e}"
+        ) from None
     entries = optree.tree_leaves(full, none_is_leaf=False)
     if len(entries) != len(flat.leaves):
         raise ValueError(f"{what} must be a str or a prefix tree of the data tree")
     return entries
+
+
+def _parting(prefix: optree.PyTreeSpec, data: optree.PyTreeSpec, what: str) -> str | None:
+    """Where a prefix tree ``what`` first parts from the data tree, in words
+    (an error's slow path: walks both treespecs in Python); None if it does
+    not (optree refused it for a reason this walk does not see)."""
+    stack: list[tuple[optree.PyTreeSpec, optree.PyTreeSpec, tuple[Any, ...]]] = [(prefix, data, ())]
+    while stack:
+        p, d, steps = stack.pop()
+        if p.is_leaf():  # a leaf of the prefix stands for the whole subtree
+            continue
+        if d.is_leaf() or p.type is not d.type or p.entries() != d.entries():
+            mine, theirs = _path(steps, what), _path(steps, "tree")
+            return f"{mine} is {_node(p)}, where the data tree has {_node(d)} at {theirs}"
+        assert p.type is not None  # (a leaf's is None)
+        entry = optree.register_pytree_node.get(p.type, namespace=p.namespace)
+        assert entry is not None  # (every node type of a treespec is registered)
+        stack.extend(
+            (pc, dc, (*steps, entry.path_entry_type(e, p.type, p.kind)))
+            for e, pc, dc in reversed(
+                list(zip(p.entries(), p.children(), d.children(), strict=True))
+            )
+        )
+    return None
+
+
+def _path(entries: tuple[Any, ...], root: str) -> str:
+    return root + "".join(_shown([optree.PyTreeAccessor((e,)).codify("") for e in entries]))
+
+
+def _node(spec: optree.PyTreeSpec) -> str:
+    """A treespec's root node in words: ``a leaf``, ``None``, ``a dict with
+    keys ['a', 'b']``, ``a list of 2``, ..."""
+    kind = spec.type
+    if kind is None:  # (a leaf's)
+        return "a leaf"
+    if kind is type(None):
+        return "None"
+    if issubclass(kind, dict):
+        return f"a {kind.__qualname__} with keys {list(spec.entries())}"
+    return f"a {kind.__qualname__} of {spec.num_children}"

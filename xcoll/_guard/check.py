@@ -47,8 +47,11 @@ class CollectiveMismatchError(RuntimeError):
     The message names the call and the first difference, with what this
     replica and the first disagreeing one have, e.g. ``xcoll.gather: replicas
     made different calls; the first difference: this replica (rank 0) has
-    tree['b']: float32 tensor of shape (2, 3); rank 1 has tree['c']: ...``.
-    Every xcoll call raises it where the replicas' trees, parameters or tags
+    tree['b']: float32 tensor of shape (2, 3); rank 1 has tree['b']: float32
+    tensor of shape (2, 4)``. Where the replicas' leaf paths differ, it names
+    first the paths each lacks (``replicas made different calls; their leaves
+    differ: rank 1 lacks tree['acc']. The first difference: ...``). Every
+    xcoll call raises it where the replicas' trees, parameters or tags
     differ; the replicas can go on with their next call (docs/reliability.md).
     """
 
@@ -178,9 +181,11 @@ def verify(
     if not differ:
         return
     other = differ[0]
-    mine = [*lines, *body.lines]
-    every = _exchange.gather_bytes(transport, "\n".join(mine).encode("utf-8", "surrogatepass"))
+    text = "\n".join([*lines, *body.lines])
+    every = _exchange.gather_bytes(transport, text.encode("utf-8", "surrogatepass"))
     assert every is not None
+    # (mine split as theirs is: a tag with a newline is two lines on both sides)
+    mine = text.split("\n")
     theirs = (every[other] or b"").decode("utf-8", "surrogatepass").split("\n")
     message = f"{name}: {_difference(transport, mine, theirs, other)}"
     if error is None:
@@ -189,7 +194,8 @@ def verify(
 
 
 def _difference(transport: Transport, mine: list[str], theirs: list[str], other: int) -> str:
-    """The first line where two replicas' descriptions differ, as a sentence."""
+    """The first line where two replicas' descriptions differ, as a sentence
+    (after the paths each lacks, where their leaves differ: :func:`_lacks`)."""
     at = next(
         (k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
         min(len(mine), len(theirs)),
@@ -201,7 +207,40 @@ def _difference(transport: Transport, mine: list[str], theirs: list[str], other:
         return f"{them} raised before communicating ({there.removeprefix('error: ')})"
     if here.startswith("error: "):
         return f"this replica ({me}) raised before communicating; {them} did not"
-    return (
-        f"replicas made different calls; the first difference: this replica ({me}) has "
-        f"{here}; {them} has {there}"
-    )
+    first = f"first difference: this replica ({me}) has {here}; {them} has {there}"
+    lacks = _lacks(mine, theirs, me, them)
+    if lacks:
+        return f"replicas made different calls; {lacks}. The {first}"
+    return f"replicas made different calls; the {first}"
+
+
+#: The paths each side's list of lacking leaves names, before a count of the rest.
+_LISTED = 3
+
+
+def _lacks(mine: list[str], theirs: list[str], me: str, them: str) -> str:
+    """Which leaf paths each replica lacks, where two calls with the same
+    header (call, tag, parameters) differ in their sets of paths: read line
+    by line, a missing key looks like a renamed one. Empty otherwise."""
+    (head, paths), (their_head, their_paths) = _parts(mine), _parts(theirs)
+    if head != their_head or paths.keys() == their_paths.keys():
+        return ""
+    mine_lacks = [p for p in their_paths if p not in paths]
+    they_lack = [p for p in paths if p not in their_paths]
+    sides = [f"this replica ({me}) lacks {_listing(mine_lacks)}"] if mine_lacks else []
+    sides += [f"{them} lacks {_listing(they_lack)}"] if they_lack else []
+    return "their leaves differ: " + "; ".join(sides)
+
+
+def _parts(lines: list[str]) -> tuple[list[str], dict[str, None]]:
+    """A description's header lines (before its first leaf) and its leaves'
+    paths, in order. A leaf's line is ``path: what``: ``what`` (a dtype and
+    shape, a Python type, an op) holds no ": ", its path may."""
+    leaves = [k for k, line in enumerate(lines) if line.startswith("tree")]
+    end = leaves[0] if leaves else len(lines) - 1
+    return lines[:end], {lines[k].rsplit(": ", 1)[0]: None for k in leaves}
+
+
+def _listing(paths: list[str]) -> str:
+    shown = ", ".join(paths[:_LISTED])
+    return shown if len(paths) <= _LISTED else f"{shown} and {len(paths) - _LISTED} more"
