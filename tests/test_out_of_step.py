@@ -663,3 +663,23 @@ def test_backwards_of_different_calls_never_pair(world, step):
         assert "xcoll.gather backward" in text, text
         numbers = re.findall(r"backward of call (\d+)", text)
         assert len(set(numbers)) == 2, text
+
+
+def _long_tags(_):
+    """Tags of a million characters that differ only at their end."""
+    x = torch.ones(2).to(device())
+    try:
+        xcoll.gather({"x": x}, tag="t" * 10**6 + str(xcoll.rank()))
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_long_tag_is_cut_in_messages(world):
+    pool = shared_pool(world)
+    for text in pool.run(_long_tags, [None] * pool.world_size):
+        assert len(text) < 1000, text[:2000]  # (each tag's 1 MB, in full, before the cut)
+        # the two tags, cut, differ by the hash of the whole
+        hashes = re.findall(r"tag='t+\.\.\. \(sha256 ([0-9a-f]{16})\)", text)
+        assert len(set(hashes)) == 2, text
