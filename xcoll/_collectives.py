@@ -199,7 +199,8 @@ def reduce(
     {'loss': tensor(0.5000), 'n': 4}
     """
     _flags(sync=sync, to_cpu=to_cpu, grad=grad)
-    if op is None:  # (optree reads None as an empty tree: its own error named none of this)
+    if op is None and tree is not None:  # (optree reads None as an empty tree, the prefix
+        # of None alone: its own error named none of this)
         raise ValueError(
             f"op must be one of {_OPS_NAMED}, or a prefix tree of them "
             '(e.g. {"loss": "mean", "n": "sum"}), got None'

@@ -159,8 +159,8 @@ def place(stop: FrameType | None) -> str:
     f: FrameType | None = sys._getframe(1)
     while f is not None and f.f_globals.get("__name__", "").startswith(_PRIVATE):
         f = f.f_back
-    frames = []
-    key = []
+    frames: list[FrameType] = []
+    key: list[int] = []
     while f is not None and len(frames) < DEPTH:
         frames.append(f)
         key += (id(f.f_code), f.f_lineno)
