@@ -147,9 +147,12 @@ def reduce(
     """The elementwise reduction of every replica's leaves.
 
     Shapes, dtypes and devices are preserved. max/min propagate NaN; integer
-    sums and products wrap as the dtype does; float16 and bfloat16 sums,
-    products and means accumulate in float32 and are rounded once. One
-    collective per dtype and op (fewer where merging stays exact).
+    tensors' sums and products wrap as the dtype does; Python ints reduce as
+    Python computes them: a sum exactly (it may exceed int64: a Python int),
+    a product exactly or with an ``OverflowError`` (below), never a wrapped
+    value; float16 and bfloat16 sums, products and means accumulate in
+    float32 and are rounded once. One collective per dtype and op (fewer
+    where merging stays exact).
 
     The input is left unmodified; outputs are new tensors, which require grad
     only with ``grad=True``.
@@ -192,6 +195,11 @@ def reduce(
         xcoll.CollectiveMismatchError: the replicas' calls differ (as in
             :func:`gather`; ops included).
         xcoll.ConcurrentCallError: as in :func:`gather`.
+        OverflowError: a product of Python ints that may not fit in int64
+            (the replicas' magnitudes, each rounded up to a power of two,
+            multiply past 2**63), naming the leaf's path, on every replica
+            after the collective: reduce a tensor (whose product wraps) or
+            multiply a gather's values in Python.
         RuntimeError: as in :func:`gather`.
 
     >>> import torch, xcoll

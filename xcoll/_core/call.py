@@ -45,6 +45,16 @@ _FLOAT_OPS = {"sum": "sum", "mean": "sum", "prod": "prod", "max": "max", "min": 
 _INT_OPS = {"sum": "sum", "prod": "prod", "max": "max", "min": "min"}
 _BOOL_OPS = {"max": "max", "min": "min", "prod": "min"}
 
+# The buckets whose Python scalars travel in more than one element each
+# (``_pack.scalar_parts``): in int64, all Python ints (a Python bool's prod is
+# its min, its sum is refused), exactly: a sum as two limbs, a product with
+# what tells whether it fits; in float64, all Python floats, padded to as many
+# elements, so that replicas that differ in a leaf's Python type alone still
+# make buckets of one size. Python ints of max and min are exact as int64.
+_EXACT: dict[Hashable, str] = {
+    (dtype, op): op for dtype in (torch.int64, torch.float64) for op in ("sum", "prod")
+}
+
 _REFUSED = {
     "mean": "mean needs a floating dtype (convert first, e.g. x.float())",
     "sum": 'sum of bools is ambiguous: use "max" for any, "min" for all, or sum x.int() to count',
@@ -97,13 +107,16 @@ def _plan(
     description: _check.Description,
     first: frozenset[int] = frozenset(),
     empty: Hashable = torch.uint8,
+    exact: dict[Hashable, str] | None = None,
     **extra: Any,
 ) -> Plan:
     # At least one bucket, whose collective carries the guard even for a tree
     # with no leaves to send (``empty``: its key, for a uint8 bucket).
-    buckets = _pack.plan(flat.leaves, keys, dtypes, first) or [_pack.Bucket(empty, torch.uint8)]
+    buckets = _pack.plan(flat.leaves, keys, dtypes, first, exact) or [
+        _pack.Bucket(empty, torch.uint8)
+    ]
     shapes = [
-        tuple(shape(s.leaf) for s in b.tensors) + ((lead + (len(b.scalars),),) if b.scalars else ())
+        tuple(shape(s.leaf) for s in b.tensors) + ((lead + (b.block,),) if b.scalars else ())
         for b in buckets
     ]
     return Plan(buckets, shapes, description, **extra)
@@ -310,6 +323,7 @@ class Reduce(Packed):
             _check.describe(flat, ops=ops),
             first=means,
             empty=(torch.uint8, "max"),
+            exact=_EXACT,
         )
         return dataclasses.replace(
             plan,

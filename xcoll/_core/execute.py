@@ -59,11 +59,10 @@ def execute(
             out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
     for i in flat.scalars:
         block = out[i]
-        out[i] = (
-            [_tree.to_python(v, flat.leaves[i]) for v in block]
-            if r.kind == "gather"
-            else _tree.to_python(block, flat.leaves[i])
-        )
+        if r.kind == "gather":
+            out[i] = [_tree.to_python(v, flat.leaves[i]) for v in block]
+        elif isinstance(block, torch.Tensor):  # (else an exact int, read back already)
+            out[i] = _tree.to_python(block, flat.leaves[i])
     return flat.unflatten(out), agree
 
 
@@ -139,10 +138,32 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
             _check(transport, signature, _guard.as_bytes(header), mine.decoded)
         else:  # (a lazy call's results exist only after the caller's sync)
             transport.after_sync(Verdict(transport, signature, header, mine.decoded))
-    for scalars, block in zip(r.scalars, blocks, strict=True):
+    for scalars, block, ints in zip(r.scalars, blocks, r.ints, strict=True):
+        if ints:  # (Python ints read back exactly, as Python ints)
+            _exact_ints(flat, scalars, block.tolist(), ints, out)
+            continue
         for leaf, j in scalars:
             out[leaf] = block[..., j]
     return out, late is None or (mine is not None and late == mine.wire)
+
+
+def _exact_ints(flat, scalars, values: list[int], how: str, out: list[Any]) -> None:
+    """A reduce's Python ints, each read back from its reduced parts
+    (:func:`xcoll._encode.pack.int_value`): exact, or an OverflowError for a
+    product that may not fit, the same on every replica (every replica holds
+    the same reduced parts)."""
+    n = _pack.WIDTH[how]
+    for leaf, j in scalars:
+        value = _pack.int_value(values[j : j + n], how)
+        if value is None:
+            raise OverflowError(
+                f"{flat.path(leaf)}: the product of the replicas' Python ints may not fit "
+                "in int64 (their magnitudes, each rounded up to a power of two, multiply "
+                "past 2**63), and xcoll returns no wrapped value; reduce a tensor instead "
+                "(torch.tensor(v): its product wraps as int64 does), or multiply the values "
+                "of xcoll.gather(v) in Python"
+            )
+        out[leaf] = value
 
 
 def _wires(r: Recipe, flat, transport: Transport, signature, mine) -> list[torch.Tensor]:

@@ -93,6 +93,10 @@ class Recipe:
     stack: bool
     #: The Python scalars of each bucket that has some: (leaf, position in its block).
     scalars: tuple[tuple[tuple[int, int], ...], ...]
+    #: Of each bucket that has Python scalars: how its Python ints are read
+    #: back from their parts (:attr:`xcoll._encode.pack.Bucket.exact`: "sum",
+    #: "prod"; "": each is its block's element at its position).
+    ints: tuple[str, ...] = ()
     #: A world of one (outputs to the host, on a lazy engine): every
     #: collective is an identity, so each output is its leaf's own copy
     #: (:func:`xcoll._core.execute.execute`).
@@ -177,7 +181,12 @@ def _build(
         moved=plan.moved,
         stack=stack,
         scalars=tuple(
-            tuple((s.leaf, j) for j, s in enumerate(b[k].scalars)) for k in live if b[k].scalars
+            tuple((s.leaf, s.offset - b[k].scalars[0].offset) for s in b[k].scalars)
+            for k in live
+            if b[k].scalars
+        ),
+        ints=tuple(
+            "" if b[k].dtype.is_floating_point else b[k].exact for k in live if b[k].scalars
         ),
         identity=identity,
     )

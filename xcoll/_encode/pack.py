@@ -8,8 +8,9 @@ torch.distributed and a single process.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,13 @@ class Slot:
         return numel(self.shape)
 
 
+#: Elements each Python scalar of a reduce's int64 or float64 sum or product
+#: travels as (:attr:`Bucket.exact`): a Python int's parts (:func:`int_parts`),
+#: a Python float with padding, so that a Python int and a Python float at
+#: one path still make buckets of one size, whose guard tells them apart.
+WIDTH = {"sum": 2, "prod": 3}
+
+
 @dataclass
 class Bucket:
     """Leaves that share one collective. Tensor leaves come first, then Python
@@ -40,6 +48,10 @@ class Bucket:
     tensors: list[Slot] = field(default_factory=list)
     scalars: list[Slot] = field(default_factory=list)
     size: int = 0
+    #: "sum" or "prod" where each Python scalar travels as a slot of shape
+    #: ``(WIDTH[exact],)`` (a reduce's int64 or float64 sum or product:
+    #: :func:`scalar_parts`); "" otherwise (one element each, of shape ``()``).
+    exact: str = ""
 
     def _add(
         self, slots: list[Slot], leaf: int, shape: tuple[int, ...], dtype: torch.dtype | None = None
@@ -52,7 +64,12 @@ class Bucket:
     @functools.cached_property
     def sizes(self) -> list[int]:
         """Each tensor slot's number of elements, then the scalar block's (if any)."""
-        return [s.numel for s in self.tensors] + ([len(self.scalars)] if self.scalars else [])
+        return [s.numel for s in self.tensors] + ([self.block] if self.scalars else [])
+
+    @functools.cached_property
+    def block(self) -> int:
+        """The number of elements of the Python scalars' block."""
+        return sum(s.numel for s in self.scalars)
 
     @functools.cached_property
     def tensor_leaves(self) -> tuple[int, ...]:
@@ -68,9 +85,7 @@ class Bucket:
     @functools.cached_property
     def part_shapes(self) -> tuple[tuple[int, ...], ...]:
         """The shapes of the bucket's :func:`parts`."""
-        return tuple(s.shape for s in self.tensors) + (
-            ((len(self.scalars),),) if self.scalars else ()
-        )
+        return tuple(s.shape for s in self.tensors) + (((self.block,),) if self.scalars else ())
 
 
 def plan(
@@ -78,6 +93,7 @@ def plan(
     keys: Sequence[Hashable],
     dtypes: Sequence[torch.dtype],
     first: frozenset[int] = frozenset(),
+    exact: Mapping[Hashable, str] | None = None,
 ) -> list[Bucket]:
     """Groups leaf ``i`` into the bucket ``keys[i]``, of dtype ``dtypes[i]``,
     in order of first appearance.
@@ -89,6 +105,8 @@ def plan(
     (:func:`split`). Python scalars get shape ``()`` and are laid out after the
     tensors of their bucket. Leaves in ``first`` come before the others of
     their kind (a reduce's means, so that they are one range to divide).
+    The Python scalars of a bucket whose key is in ``exact`` travel as
+    ``exact[key]`` says (:attr:`Bucket.exact`).
 
     >>> [[(s.leaf, s.offset) for s in b.tensors + b.scalars]
     ...  for b in plan([torch.zeros(3), 1.0, torch.zeros(2)], ["f", "f", "f"], [torch.float32] * 3)]
@@ -113,7 +131,8 @@ def plan(
             bucket._add(bucket.tensors, i, shape, own)
     for i in sorted(scalar_leaves, key=lambda i: i not in first):
         bucket = buckets[keys[i]]
-        bucket._add(bucket.scalars, i, ())
+        bucket.exact = (exact or {}).get(keys[i], "")
+        bucket._add(bucket.scalars, i, (WIDTH[bucket.exact],) if bucket.exact else ())
     return list(buckets.values())
 
 
@@ -347,9 +366,70 @@ def parts(
 ) -> list[torch.Tensor]:
     """The tensors whose concatenation is the bucket's packed buffer, one per
     entry of ``bucket.part_shapes``: its tensor leaves, then one 1-d tensor of
-    its Python scalars, made on the host and moved by ``upload`` (once)."""
+    its Python scalars (an exact bucket's as :func:`scalar_parts`), made on
+    the host and moved by ``upload`` (once)."""
     out: list[torch.Tensor] = [leaves[i] for i in bucket.tensor_leaves]  # type: ignore[misc]
     if bucket.scalars:
-        values = [leaves[s.leaf] for s in bucket.scalars]
+        values: Sequence[Any] = [leaves[s.leaf] for s in bucket.scalars]
+        if bucket.exact:
+            values = scalar_parts(values, bucket.exact, bucket.dtype.is_floating_point)
         out.append(upload(torch.tensor(values, dtype=bucket.dtype)))
     return out
+
+
+_PAD = {"sum": (0.0,), "prod": (1.0, 1.0)}  # (the op's identity)
+
+
+def scalar_parts(values: Sequence[int | float], how: str, floats: bool) -> list[int | float]:
+    """An exact bucket's Python scalars as its block's elements: Python ints
+    as :func:`int_parts`, Python floats (``floats``) each followed by the
+    op's identity (:data:`WIDTH`)."""
+    if floats:
+        pad = _PAD[how]
+        return [x for v in values for x in (v, *pad)]
+    return [x for v in values for x in int_parts(v, how)]  # type: ignore[arg-type]
+
+
+_LOW = (1 << 32) - 1
+_TOP = 1 << 63  # (2**63: one past int64's largest value)
+_WRAP = 1 << 64
+
+
+def int_parts(value: int, how: str) -> tuple[int, ...]:
+    """A Python int (in int64) as the int64 elements whose all-reduce ``how``
+    gives the exact result back (:func:`int_value`).
+
+    * sum: two limbs, ``value & (2**32 - 1)`` and ``value >> 32``: summed over
+      fewer than 2**31 replicas, neither leaves int64, and ``hi * 2**32 +
+      lo`` is the exact sum, as Python adds (it may exceed int64).
+    * prod: the value, the smallest power of two at least its magnitude
+      (``2**b``; 2**63 as int64's -2**63), and its sign. The product wraps
+      modulo 2**64 as int64 does; the powers' product is ``2**sum(b)``, not 0,
+      exactly when ``sum(b) <= 63``, where the product's magnitude is at most
+      2**63, so that the sign and the wrapped product give it exactly.
+
+    >>> int_parts(-1, "sum"), int_parts(-5, "prod"), int_parts(2**62 + 1, "prod")
+    ((4294967295, -1), (-5, 8, -1), (4611686018427387905, -9223372036854775808, 1))
+    """
+    if how == "sum":
+        return value & _LOW, value >> 32
+    bound = 1 << (abs(value) - 1).bit_length() if value else 1
+    return value, bound if bound < _TOP else -_TOP, (value > 0) - (value < 0)
+
+
+def int_value(parts: Sequence[int], how: str) -> int | None:
+    """The exact result of the all-reduce ``how`` of :func:`int_parts`, from
+    the reduced ``parts``; None for a product that may not fit in 64 bits
+    (its factors' bounds multiply past 2**63: the wrapped product cannot tell).
+
+    >>> int_value([2 * 4294967295, -2], "sum"), int_value([-(2**63), 0, 1], "prod")
+    (-2, None)
+    """
+    if how == "sum":
+        return (parts[1] << 32) + parts[0]
+    product, bound, sign = parts
+    if not sign:  # (a zero factor: the wrapped product is 0 too, and exact)
+        return 0
+    if not bound:
+        return None
+    return product % _WRAP if sign > 0 else -(-product % _WRAP)
