@@ -544,12 +544,63 @@ def test_different_programs_are_diagnosed_before_xla_aborts():
         assert text.index("xcoll: xcoll.") < text.index("Termination timeout"), (name, text)
 
 
+def _small_later_difference(case: str):
+    """After a consistent first call, the last replica's later call differs
+    in its buffers' size: a metrics dict without one key, one leaf in
+    float64, a gather of 3 elements against 2, a broadcast's tree without a
+    key. Returns the error's text, or the result; then a consistent call's."""
+    rank, world = xcoll.rank(), xcoll.world_size()
+    odd = rank == world - 1
+    m = {"acc": torch.tensor(0.25), "loss": torch.tensor(0.5), "n": torch.tensor(8)}
+    xcoll.reduce(m)  # (a group's first call is checked in full: this one is not)
+    later = dict(m)
+    if odd and case in ("missing key", "broadcast"):
+        del later["acc"]
+    if odd and case == "float64":
+        later["loss"] = later["loss"].double()
+    try:
+        if case == "gather":
+            out = xcoll.gather({"x": torch.ones(3 if odd else 2)})
+        elif case == "broadcast":
+            out = xcoll.broadcast(later)
+        else:
+            out = xcoll.reduce(later)
+        text = f"no error: {out}"
+    except xcoll.CollectiveMismatchError as e:
+        text = str(e)
+    return text, xcoll.reduce({"x": torch.ones(1)})["x"].item()
+
+
+@pytest.mark.parametrize("case", ["missing key", "float64", "gather", "broadcast"])
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+def test_a_small_later_call_whose_sizes_differ_raises_on_every_replica(world, case):
+    # small first collectives travel in one size class: the replicas meet,
+    # and the guard's header names the difference instead of gloo's abort
+    pool = shared_pool(world)
+    w = pool.world_size
+    results = pool.run(_small_later_difference, [case] * w)
+    for rank, (text, after) in enumerate(results):
+        assert after == float(w), (rank, text)  # the replicas go on
+        if case == "broadcast" and rank < w - 1:
+            # src returns its own tree (the one one-sided verdict), and a
+            # receiver whose call is src's gets src's tree
+            assert text == "no error: {'acc': tensor(0.2500), 'loss': tensor(0.5000), 'n': tensor(8)}"
+            continue
+        assert text.startswith("xcoll."), (rank, text)
+        if case == "missing key":
+            assert "tree['acc']" in text, (rank, text)
+        if case == "float64":
+            assert "tree['loss']: float64" in text or "float64" in text, (rank, text)
+
+
 _SIZE_MISMATCH = """
 import datetime, torch, torch.distributed as dist, xcoll
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
 rank, world = dist.get_rank(), dist.get_world_size()
 xcoll.gather({"x": torch.ones(2)})  # a consistent first call
-n = 3 if rank == world - 1 else 2  # the last rank's buffer is larger
+# the last rank's buffer is larger, and both are above the size class of
+# small calls (xcoll._core.execute.SMALL bytes), which would meet
+n = 2049 if rank == world - 1 else 2048
 try:
     xcoll.gather({"x": torch.ones(n)})
     print("returned normally", flush=True)

@@ -211,13 +211,40 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
     """Every collective's result, waited for. On an eager engine the first
     one's header is checked before the others start (a call whose buckets
     differ in number stops there)."""
-    results = [_send(r, transport, wires[0], 0)]
     if r.guard is not None and r.guard.when == "first":
-        transport.wait()
+        results = [_classed(r, transport, wires[0])]
         _check(transport, signature, _arrived(r, transport, results[0]), mine.wire)
+    else:
+        results = [_send(r, transport, wires[0], 0)]
     results += [_send(r, transport, w, k) for k, w in enumerate(wires[1:], 1)]
     transport.wait()  # eager engines started every collective asynchronously
     return results
+
+
+#: Bytes up to which an eager engine's first collective (the one with the
+#: guard's header) is sent padded to exactly this size: replicas whose later
+#: calls differ in size (a metrics dict without a key, a leaf in float64) then
+#: still meet in one collective, whose header names the difference, where
+#: gloo would abort the replica that receives more than it expects.
+SMALL = 4096
+
+
+def _classed(r: Recipe, transport: Transport, wire: torch.Tensor) -> torch.Tensor:
+    """The first collective of an eager engine's guarded call, waited for: a
+    small one sent in the one size class of :data:`SMALL` bytes, its padding
+    cut from the result (a gather's from each replica's row)."""
+    n, size = wire.numel(), wire.element_size()
+    if n * size > SMALL or SMALL % size:
+        result = _send(r, transport, wire, 0)
+        transport.wait()
+        return result
+    padded = wire.new_zeros(SMALL // size)
+    padded[:n] = wire
+    result = _send(r, transport, padded, 0)
+    transport.wait()
+    if r.kind == "gather":
+        return result.view(r.world, -1)[:, :n].reshape(-1)
+    return result[:n]
 
 
 def _arrived(r: Recipe, transport: Transport, result: torch.Tensor) -> bytes:
