@@ -200,14 +200,15 @@ class _Differentiable(torch.autograd.Function):
 
 
 def _identity(forward: _guard.Signature | None) -> _steps.Identity:
-    """What a backward is named by: its forward call's number on this thread
-    and group, and its tag (so it pairs only with the backward of the same
-    forward call on every replica, whichever thread runs it and whatever
-    blocks are open then). Unguarded (a world of one, mode "never"): none."""
+    """What a backward is named by: its forward call's tag (a step's tag
+    names the call by its step, number and place: it realigns each step),
+    or, for an untagged forward, its number among this thread's calls on its
+    group; so it pairs only with the backward of the same forward call on
+    every replica, whichever thread runs it and whatever blocks are open
+    then. Unguarded (a world of one, mode "never"): none."""
     if forward is None:
         return _steps.Identity("")
-    text = f"backward of call {forward.number}"
-    return _steps.Identity(f"{text} ({forward.tag})" if forward.tag else text)
+    return _steps.Identity(f"backward of {forward.tag or f'call {forward.number}'}")
 
 
 def call(op: _call.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: Any) -> Any:

@@ -20,8 +20,8 @@ on the rank around the call) must say so with the same ``tag=``, which names
 the call instead of its place.
 
 A differentiable call's backward carries its forward's :class:`Identity` (the
-forward's tag and its number among this thread's calls on its group), not the
-blocks open when the backward runs: a backward pairs only with the backward of
+forward's tag, or for an untagged forward its number among this thread's
+calls on its group), not the blocks open when the backward runs: a backward pairs only with the backward of
 the same forward call, whichever thread runs it.
 """
 
