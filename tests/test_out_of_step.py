@@ -217,7 +217,8 @@ def _local_error_diagnosed(_):
 def test_a_call_that_raised_locally_and_waits_is_diagnosed():
     printed = shared_pool("gloo-2").run(_local_error_diagnosed, [None, None])[0]
     assert (
-        "xcoll: xcoll.gather on rank 0 has waited 1 s for the other replicas. A replica" in printed
+        "xcoll: xcoll.gather on rank 0 has waited 1 s for the other replicas. This replica's"
+        in printed
     ), printed
     assert "This replica's call: tag: tag='late'; parameters: dim=0 " in printed, printed
     # gloo: no XLA program, no PJRT client among the causes
