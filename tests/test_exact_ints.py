@@ -105,8 +105,8 @@ def test_python_int_sums_are_exact_beside_int_tensors_that_wrap(pool, host):
 def test_the_limbs_travel_in_the_int64_bucket_the_int_tensors_merge_into():
     """Decided once per signature: one int64 sum bucket holds the int tensors
     of every width (merged, as before) and each Python int as two limbs; a
-    Python float takes two elements too (padded), so that a Python int and a
-    float at one path make buckets of one size (the guard tells them apart)."""
+    Python float takes one element, as any float does (a Python int against
+    a float at one path: small calls meet in one size class, the guard names it)."""
     plan = _call.Reduce("sum").plan(_tree_mod.flatten(_tree(0)), 4)
     ints, floats, f32 = plan.buckets
     assert [b.key for b in plan.buckets] == [
@@ -118,7 +118,7 @@ def test_the_limbs_travel_in_the_int64_bucket_the_int_tensors_merge_into():
     assert {s.dtype for s in ints.tensors} == {None} | merged
     assert ints.exact == "sum" and [s.shape for s in ints.scalars] == [(2,)] * 6
     assert ints.size == 3 + 2 * 4 + 2 * 6 and ints.part_shapes[-1] == (12,)
-    assert floats.size == 2 and f32.size == 2
+    assert floats.size == 1 and f32.size == 2
     assert _call.Reduce({"a": "max"}).plan(_tree_mod.flatten({"a": 5}), 4).buckets[0].size == 1
 
 

@@ -46,14 +46,10 @@ _INT_OPS = {"sum": "sum", "prod": "prod", "max": "max", "min": "min"}
 _BOOL_OPS = {"max": "max", "min": "min", "prod": "min"}
 
 # The buckets whose Python scalars travel in more than one element each
-# (``_pack.scalar_parts``): in int64, all Python ints (a Python bool's prod is
+# (``_pack.int_parts``): in int64, all Python ints (a Python bool's prod is
 # its min, its sum is refused), exactly: a sum as two limbs, a product with
-# what tells whether it fits; in float64, all Python floats, padded to as many
-# elements, so that replicas that differ in a leaf's Python type alone still
-# make buckets of one size. Python ints of max and min are exact as int64.
-_EXACT: dict[Hashable, str] = {
-    (dtype, op): op for dtype in (torch.int64, torch.float64) for op in ("sum", "prod")
-}
+# what tells whether it fits. Python ints of max and min are exact as int64.
+_EXACT: dict[Hashable, str] = {(torch.int64, op): op for op in ("sum", "prod")}
 
 _REFUSED = {
     "mean": "mean needs a floating dtype (convert first, e.g. x.float())",

@@ -185,9 +185,7 @@ def _build(
             for k in live
             if b[k].scalars
         ),
-        ints=tuple(
-            "" if b[k].dtype.is_floating_point else b[k].exact for k in live if b[k].scalars
-        ),
+        ints=tuple(b[k].exact for k in live if b[k].scalars),
         identity=identity,
     )
 

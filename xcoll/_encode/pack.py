@@ -31,10 +31,8 @@ class Slot:
         return numel(self.shape)
 
 
-#: Elements each Python scalar of a reduce's int64 or float64 sum or product
-#: travels as (:attr:`Bucket.exact`): a Python int's parts (:func:`int_parts`),
-#: a Python float with padding, so that a Python int and a Python float at
-#: one path still make buckets of one size, whose guard tells them apart.
+#: Elements each Python int of a reduce's int64 sum or product travels as
+#: (:attr:`Bucket.exact`): its parts (:func:`int_parts`).
 WIDTH = {"sum": 2, "prod": 3}
 
 
@@ -49,8 +47,8 @@ class Bucket:
     scalars: list[Slot] = field(default_factory=list)
     size: int = 0
     #: "sum" or "prod" where each Python scalar travels as a slot of shape
-    #: ``(WIDTH[exact],)`` (a reduce's int64 or float64 sum or product:
-    #: :func:`scalar_parts`); "" otherwise (one element each, of shape ``()``).
+    #: ``(WIDTH[exact],)`` (a reduce's int64 sum or product: :func:`int_parts`);
+    #: "" otherwise (one element each, of shape ``()``).
     exact: str = ""
 
     def _add(
@@ -366,28 +364,15 @@ def parts(
 ) -> list[torch.Tensor]:
     """The tensors whose concatenation is the bucket's packed buffer, one per
     entry of ``bucket.part_shapes``: its tensor leaves, then one 1-d tensor of
-    its Python scalars (an exact bucket's as :func:`scalar_parts`), made on
+    its Python scalars (an exact bucket's as :func:`int_parts`), made on
     the host and moved by ``upload`` (once)."""
     out: list[torch.Tensor] = [leaves[i] for i in bucket.tensor_leaves]  # type: ignore[misc]
     if bucket.scalars:
         values: Sequence[Any] = [leaves[s.leaf] for s in bucket.scalars]
         if bucket.exact:
-            values = scalar_parts(values, bucket.exact, bucket.dtype.is_floating_point)
+            values = [x for v in values for x in int_parts(v, bucket.exact)]
         out.append(upload(torch.tensor(values, dtype=bucket.dtype)))
     return out
-
-
-_PAD = {"sum": (0.0,), "prod": (1.0, 1.0)}  # (the op's identity)
-
-
-def scalar_parts(values: Sequence[int | float], how: str, floats: bool) -> list[int | float]:
-    """An exact bucket's Python scalars as its block's elements: Python ints
-    as :func:`int_parts`, Python floats (``floats``) each followed by the
-    op's identity (:data:`WIDTH`)."""
-    if floats:
-        pad = _PAD[how]
-        return [x for v in values for x in (v, *pad)]
-    return [x for v in values for x in int_parts(v, how)]  # type: ignore[arg-type]
 
 
 _LOW = (1 << 32) - 1
