@@ -19,9 +19,9 @@ from ._guard import watchdog as _watchdog
 
 def _flags(**flags: Any) -> None:
     """Refuses a flag that is not a bool: truthiness would read ``sync="no"``
-    as True. One ``type`` test per flag: it runs on every call."""
+    as True. Identity tests alone: it runs on every call."""
     for name, value in flags.items():
-        if type(value) is not bool:
+        if value is not True and value is not False:
             raise TypeError(f"{name} must be a bool (True or False), got {value!r:.80}")
 
 

@@ -234,7 +234,7 @@ def _classed(r: Recipe, transport: Transport, wire: torch.Tensor) -> torch.Tenso
     small one sent in the one size class of :data:`SMALL` bytes, its padding
     cut from the result (a gather's from each replica's row)."""
     n, size = wire.numel(), wire.element_size()
-    if n * size > SMALL or SMALL % size:
+    if n * size > SMALL:  # (every element size divides it)
         result = _send(r, transport, wire, 0)
         transport.wait()
         return result
