@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
             times.append(time.perf_counter() - t0)
         compile_s = (met.metric_data("CompileTime")[1] - before) / 1e9
         assert len(outs) == n
-        print(f"| {n} | {times[0]:.2f} | {compile_s:.2f} | {1e3 * statistics.median(times[1:]):.2f} |")
+        print(f"| {n} | {times[0]:.3g} | {compile_s:.3g} | {1e3 * statistics.median(times[1:]):.3g} |")
 
 
 if __name__ == "__main__":
