@@ -42,9 +42,19 @@ def _device():
 
 
 def _sync() -> None:
-    from xcoll._backends.xla import sync
+    """A peer's ``torch_xla.sync()``, made safe for thread-per-device replicas
+    as xcoll's is (under its lock, then a wait for this device), but stepping
+    even with nothing pending, as the peer does (xcoll's skips that step)."""
+    import torch_xla
 
-    sync()
+    from xcoll._backends import _xlac
+    from xcoll._backends.xla import SYNC_LOCK
+
+    device = torch_xla.device()
+    with SYNC_LOCK:
+        _xlac.step(device)
+    _xlac.wait_device(device)
+    _xlac.run_step_closures()
 
 
 def _fetch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """torch_xla's own counters prove the pipeline: one graph execution per replica
-per call, no recompilation on repeat, no more collectives in the HLO than there
-are buckets, one device-to-host transfer per packed buffer with to_cpu=True."""
+per call, no recompilation on repeat (a small call: none at all, whatever its
+tree), no more collectives in the HLO than there are buckets, one
+device-to-host transfer per packed buffer with to_cpu=True."""
 
 from __future__ import annotations
 
@@ -132,7 +133,9 @@ def _delta(pool, fn, args=None, results=None):
 @pytest.mark.parametrize("name,kwargs", CALLS, ids=[f"{n}-{k}" for n, k in CALLS])
 def test_one_execution_per_replica_and_no_recompile(xla4, name, kwargs):
     w = xla4.world_size
-    width = 5 + CALLS.index((name, kwargs))  # fresh shapes: the first call must compile
+    # fresh shapes: the first call must compile (64 leaves of (width, 3): a
+    # large call, whose program is its own)
+    width = 50 + CALLS.index((name, kwargs))
     xla4.run(_setup, [(N_LEAVES, width)] * w)
     first = _delta(xla4, _call, (name, kwargs))
     assert first["executions"] == w
@@ -143,10 +146,25 @@ def test_one_execution_per_replica_and_no_recompile(xla4, name, kwargs):
         assert again["compiles"] == 0
 
 
+@pytest.mark.parametrize("name,kwargs", CALLS, ids=[f"{n}-{k}" for n, k in CALLS])
+def test_a_small_call_runs_the_one_small_program_and_compiles_nothing(xla4, name, kwargs):
+    # 8 leaves of (width, 3) and two Python scalars: at most SMALL bytes, so
+    # packed on the host around the one all-gather of SMALL bytes that every
+    # small call shares (compiled by _setup's first call): a tree never seen
+    # compiles nothing. Two transfers per replica: its leaves, then the rows
+    # (and _call's fetch of a device output, which waits for it).
+    w = xla4.world_size
+    xla4.run(_setup, [(8, 1 + CALLS.index((name, kwargs)))] * w)
+    transfers = (2 if kwargs.get("to_cpu") else 3) * w
+    for _ in range(3):
+        again = _delta(xla4, _call, (name, kwargs))
+        assert again == {"executions": w, "compiles": 0, "transfers_from_device": transfers}
+
+
 @pytest.mark.parametrize("name,op", [("gather", None), ("reduce", "max"), ("broadcast", None)])
 def test_to_cpu_fetches_one_buffer_per_dtype_not_per_leaf(xla4, name, op):
     w = xla4.world_size
-    xla4.run(_setup, [(N_LEAVES, 4)] * w)
+    xla4.run(_setup, [(N_LEAVES, 40)] * w)  # (a large call)
     kwargs = {"to_cpu": True, **({"op": op} if op else {})}
     _delta(xla4, _call, (name, kwargs))  # compile
     plain = _delta(xla4, _call, (name, kwargs))

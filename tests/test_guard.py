@@ -21,20 +21,21 @@ from tests.replicas import device, shared_pool
 MISMATCH = "xcoll.CollectiveMismatchError"
 
 
-def later_case(name: str, odd: bool, dev):
+def later_case(name: str, odd: bool, dev, rows: int = 2):
     """(function, tree, kwargs) for the odd replica or the others: the same
     buffer sizes on every replica, so the engine cannot notice. Each differs
     in one part of the fingerprint alone: a leaf's shape, dtype, path or op,
-    the tree's structure, or a parameter."""
-    t = torch.ones(2, 3).to(dev)
+    the tree's structure, or a parameter. ``rows`` sets the size: with 2 the
+    calls are small (:data:`xcoll._encode.pack.SMALL`), with 512 they are not."""
+    t = torch.ones(rows, 3).to(dev)
     if name == "structure, list vs tuple":  # (the same paths, dtypes and shapes)
         return "gather", {"x": [t] if odd else (t,)}, {}
     if name == "parameter, gather dim":  # (dim -1 of a 1-d leaf is dim 0: the same output)
-        return "gather", {"x": torch.ones(6).to(dev)}, {"dim": -1 if odd else 0}
+        return "gather", {"x": torch.ones(3 * rows).to(dev)}, {"dim": -1 if odd else 0}
     if name == "shape, same numel":
-        return "gather", {"x": torch.ones(3, 2).to(dev) if odd else t}, {}
+        return "gather", {"x": torch.ones(3, rows).to(dev) if odd else t}, {}
     if name == "dtype, same width":
-        return "reduce", {"x": torch.ones(2, 3, dtype=torch.int32).to(dev) if odd else t}, {}
+        return "reduce", {"x": torch.ones(rows, 3, dtype=torch.int32).to(dev) if odd else t}, {}
     if name == "dict key":
         return "gather", {("loss" if odd else "acc"): t}, {}
     if name == "op sum vs max":
@@ -42,14 +43,16 @@ def later_case(name: str, odd: bool, dev):
     if name == "op sum vs mean":
         return "reduce", {"x": t}, {"op": "mean" if odd else "sum"}
     if name == "Python int vs float":
-        return "reduce", {"x": 7 if odd else 7.0}, {}
+        return "reduce", {"x": 7 if odd else 7.0, **({"t": t} if rows > 2 else {})}, {}
     if name == "src":
         return "broadcast", {"x": t}, {"src": 1 if odd else 0}
     raise AssertionError(name)
 
 
-# Classes whose replicas trace the same XLA program (the others compile
-# different programs, which XLA aborts on: test_different_programs_are_diagnosed).
+# Classes whose replicas trace the same XLA program when the call is large
+# (the others compile different programs, which XLA aborts on:
+# test_different_programs_are_diagnosed); a small call's is the same program
+# whatever the call (xcoll._backends.hosted).
 SAME_PROGRAM = ["dict key", "src", "structure, list vs tuple", "parameter, gather dim"]
 EVERY = [
     "structure, list vs tuple",
@@ -64,12 +67,14 @@ EVERY = [
 ]
 
 
-def _later(name):
+def _later(case):
+    """A consistent first call, then ``case``'s (name, rows) later call."""
+    name, rows = case
     assert xcoll._guard.check.mode() == "guard"  # the default
     rank, world = xcoll.rank(), xcoll.world_size()
     dev = device()
     xcoll.gather({"warm": torch.ones(1).to(dev)})  # a consistent earlier call
-    fn, tree, kwargs = later_case(name, rank == world - 1, dev)
+    fn, tree, kwargs = later_case(name, rank == world - 1, dev, rows)
     out = getattr(xcoll, fn)(tree, **kwargs)
     return f"returned {out}"
 
@@ -90,24 +95,28 @@ def _expect_every_rank_raises(pool, fn, args, text=None):
     return failures
 
 
-def _cases(world):
-    names = SAME_PROGRAM if world.startswith("xla") else EVERY
+def _cases(world, rows=2):
+    # (large calls on XLA: only the classes whose programs are the same)
+    names = SAME_PROGRAM if rows > 2 else EVERY
     # gloo's broadcast is a star from src: with W=2 a differing src leaves each
     # replica its own tree (docs/reliability.md); at W=4 the receivers raise
     return [
-        (world, n)
+        (world, n, rows)
         for n in names
         if not (n == "src" and world.startswith("gloo"))
     ]
 
 
 @pytest.mark.parametrize(
-    "world,name", [c for w in ["gloo-2", "gloo-4", "xla-cpu-2"] for c in _cases(w)]
+    "world,name,rows",
+    [c for w in ["gloo-2", "gloo-4", "xla-cpu-2"] for c in _cases(w)] + _cases("xla-cpu-2", 512),
 )
-def test_a_later_mismatch_raises_on_every_replica(world, name):
+def test_a_later_mismatch_raises_on_every_replica(world, name, rows):
+    # (a small call on XLA is one program on every replica, whatever the call)
     pool = shared_pool(world)
     # every replica's error names the call, the first difference and both ranks
-    failures = _expect_every_rank_raises(pool, _later, [name] * pool.world_size, "first difference")
+    args = [(name, rows)] * pool.world_size
+    failures = _expect_every_rank_raises(pool, _later, args, "first difference")
     fn = later_case(name, False, "cpu")[0]
     assert all(f.message.startswith(f"xcoll.{fn}: ") for f in failures), failures
 
@@ -511,19 +520,31 @@ def _aborted(name: str) -> str:
     fn = _per_replica_factor if name == "factor" else _later
     with XlaPool(2, grace=2) as pool:
         try:
-            pool.run(fn, [name, name])
+            pool.run(fn, [(name, 512)] * 2)  # (large calls: small ones meet)
         except PoolCrashed as e:
             return str(e)
     return "the replicas returned"
 
 
-def _per_replica_factor(_):
+def _per_replica_factor(case):
     """One call on every replica, but work pending before it that holds a
     per-replica value made on the device (traced as a constant): the
-    replicas' programs differ (the user's, not xcoll's)."""
+    replicas' programs differ (the user's, not xcoll's) where the call is in
+    the program (``(rows, 3)`` float32: 512 rows make a large call, 2 a small
+    one, whose collective is a program of its own). Returns the call's result."""
+    _, rows = case
     dev = device()
-    o = torch.ones(2).to(dev) + torch.full((2,), float(xcoll.rank()), device=dev)
-    xcoll.reduce({"loss": o.sum()})
+    o = torch.ones(rows, 3).to(dev) + torch.full((rows, 3), float(xcoll.rank()), device=dev)
+    return xcoll.reduce({"loss": o if rows > 2 else o.sum()})["loss"].cpu().sum().item()
+
+
+def test_a_small_call_after_per_replica_pending_work_returns():
+    # the pending work runs as each replica's own program, then the call's
+    # collective as one program, the same on every replica
+    pool = shared_pool("xla-cpu-2")
+    w = pool.world_size
+    expected = sum(6 * (1 + r) for r in range(w))
+    assert pool.run(_per_replica_factor, [("factor", 2)] * w) == [expected] * w
 
 
 def test_different_programs_are_diagnosed_before_xla_aborts():
@@ -551,7 +572,9 @@ def _small_later_difference(case: str):
     key. Returns the error's text, or the result; then a consistent call's."""
     rank, world = xcoll.rank(), xcoll.world_size()
     odd = rank == world - 1
+    dev = device()
     m = {"acc": torch.tensor(0.25), "loss": torch.tensor(0.5), "n": torch.tensor(8)}
+    m = {k: v.to(dev) for k, v in m.items()}
     xcoll.reduce(m)  # (a group's first call is checked in full: this one is not)
     later = dict(m)
     if odd and case in ("missing key", "broadcast"):
@@ -562,30 +585,32 @@ def _small_later_difference(case: str):
         del later["acc"]
     try:
         if case == "gather":
-            out = xcoll.gather({"x": torch.ones(3 if odd else 2)})
+            out = xcoll.gather({"x": torch.ones(3 if odd else 2).to(dev)})
         elif case == "broadcast":
             out = xcoll.broadcast(later)
         else:
             out = xcoll.reduce(later)
-        text = f"no error: {out}"
+        text = f"no error: { {k: v.cpu() for k, v in out.items()} }"
     except xcoll.CollectiveMismatchError as e:
         text = str(e)
-    return text, xcoll.reduce({"x": torch.ones(1)})["x"].item()
+    return text, xcoll.reduce({"x": torch.ones(1).to(dev)})["x"].item()
 
 
 @pytest.mark.parametrize(
     "case", ["missing key", "float64", "first bucket float64", "gather", "broadcast"]
 )
-@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4", "xla-cpu-2", "xla-cpu-4"])
 def test_a_small_later_call_whose_sizes_differ_raises_on_every_replica(world, case):
-    # small first collectives travel in one size class: the replicas meet,
-    # and the guard's header names the difference instead of gloo's abort
+    # small calls travel in one size class (gloo: their first collective,
+    # XLA: the whole call, in one program): the replicas meet, and the
+    # guard's header names the difference instead of the engine's abort
     pool = shared_pool(world)
     w = pool.world_size
     results = pool.run(_small_later_difference, [case] * w)
     for rank, (text, after) in enumerate(results):
         assert after == float(w), (rank, text)  # the replicas go on
-        if case == "broadcast" and rank < w - 1:
+        # (XLA's broadcast sums its header: every replica raises)
+        if case == "broadcast" and rank < w - 1 and world.startswith("gloo"):
             # src returns its own tree (the one one-sided verdict), and a
             # receiver whose call is src's gets src's tree
             assert text == "no error: {'acc': tensor(0.2500), 'loss': tensor(0.5000), 'n': tensor(8)}"
@@ -603,7 +628,7 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
 rank, world = dist.get_rank(), dist.get_world_size()
 xcoll.gather({"x": torch.ones(2)})  # a consistent first call
 # the last rank's buffer is larger, and both are above the size class of
-# small calls (xcoll._core.execute.SMALL bytes), which would meet
+# small calls (xcoll._encode.pack.SMALL bytes), which would meet
 n = 2049 if rank == world - 1 else 2048
 try:
     xcoll.gather({"x": torch.ones(n)})

@@ -185,11 +185,11 @@ def test_a_small_guarded_reduce_sends_a_small_header(world):
     # size class of small calls (4 KiB: replicas whose later calls differ in
     # size still meet), which costs gloo no more than the header's elements
     # (gloo-small-messages: flat from W elements on); unguarded, 1 element
-    from xcoll._core import execute
+    from xcoll._encode import pack
 
     pool = shared_pool(world)
     w = pool.world_size
     assert 1 + _guard.size("reduce", torch.float32, "sum", w) <= 16
     expected = sum(1.5 + r for r in range(w))
-    sent = [([execute.SMALL // 4, 1], [expected, expected])] * w
+    sent = [([pack.SMALL // 4, 1], [expected, expected])] * w
     assert pool.run(_sent, [None] * w) == sent

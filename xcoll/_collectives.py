@@ -65,7 +65,9 @@ def gather(
         stack: insert a new axis of size ``W`` at ``dim`` instead of
             concatenating along it.
         sync: run the call now (on XLA: one graph execution, with the caller's
-            pending work). With ``False`` nothing is executed: the collectives
+            pending work; a call of at most 4 KiB runs the pending work, then
+            one all-gather program that every such call shares:
+            docs/design.md). With ``False`` nothing is executed: the collectives
             join the caller's pending graph (tensor leaves only; on eager
             backends the call completes anyway), and the guard is read after
             the caller's next sync (``xcoll.sync()``), which raises

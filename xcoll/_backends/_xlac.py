@@ -149,6 +149,15 @@ def step(device: torch.device) -> None:
     _binding("_set_all_reduce_token")(name, None)
 
 
+def pending(device: torch.device) -> bool:
+    """Whether a tensor on ``device`` has work pending. A step with none
+    would be no execution, but torch_xla's barrier for an empty step locks
+    the default device (device 0), not ``device``: on thread-per-device
+    replicas it waits for replica 0's execution, which may be waiting for
+    this replica in a collective (measured: a deadlock, then XLA's abort)."""
+    return any(_binding("_check_device_tensor_need_materialization")(str(device)))
+
+
 def run_step_closures() -> None:
     """Runs the step closures registered for this thread's device (after
     :func:`step`, outside the lock). Replaces the part of ``torch_xla.sync()``

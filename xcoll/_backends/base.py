@@ -201,6 +201,10 @@ class Transport(ABC):
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
         return cpu.to(self.device)
 
+    def upload_all(self, cpus: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`upload` of each of ``cpus`` (in one call where the engine can)."""
+        return [self.upload(t) for t in cpus]
+
     @abstractmethod
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         """``(n,)`` -> ``(W * n,)``: every replica's buffer, in rank order."""
@@ -239,6 +243,11 @@ class Transport(ABC):
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """CPU copies of ``tensors``, fetched together."""
         return [t.cpu() for t in tensors]
+
+    def fetch(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`sync_and_fetch` of ``tensors`` that are the caller's (a lazy
+        engine syncs only where work is pending)."""
+        return self.sync_and_fetch(tensors)
 
     def sync_and_fetch(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """:meth:`sync`, then :meth:`to_host` of ``tensors`` (outputs of what

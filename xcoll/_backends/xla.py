@@ -88,9 +88,12 @@ def sync(device: torch.device | None = None) -> None:
     at W=4). It waits for this device only (:func:`_xlac.wait_device`).
     """
     device = device or torch_xla.device()
-    with SYNC_LOCK:
-        _xlac.step(device)
-    _xlac.wait_device(device)
+    if _xlac.pending(device):
+        with SYNC_LOCK:
+            _xlac.step(device)
+        _xlac.wait_device(device)
+    else:  # (_xlac.pending says why there is no step then)
+        _xlac.reset_token(device)
     _xlac.run_step_closures()  # (outside the lock: _xlac.step says why)
 
 
@@ -586,6 +589,9 @@ class XlaTransport(Transport):
             leaves[i] = up if leaves[i].dim() else up[0]
         return leaves
 
+    def upload_all(self, cpus):
+        return _xlac.upload(cpus, self.device) if cpus else []
+
     def rank(self) -> int:
         return self._rank
 
@@ -629,6 +635,16 @@ class XlaTransport(Transport):
         with SYNC_LOCK:
             _xlac.step(self.device)
         _xlac.run_step_closures()
+        return self.to_host(tensors)
+
+    def fetch(self, tensors):
+        # Everything pending runs first (the caller's work with it, as in any
+        # call's sync), as this replica's own program; nothing pending: no
+        # step (_xlac.pending says why), a transfer.
+        if _xlac.pending(self.device):
+            with SYNC_LOCK:
+                _xlac.step(self.device)
+            _xlac.run_step_closures()
         return self.to_host(tensors)
 
     def after_sync(self, closure) -> None:

@@ -206,7 +206,9 @@ class Packed(Op):
         # (a world of one whose outputs stay on a lazy engine's device runs its
         # one program: made of copies, it would trace one per leaf)
         identity = w == 1 and (to_cpu or not transport.lazy)
-        return _recipe.recipe(plan, self.kind, w, guard, alone, self.src, self.stack, identity)
+        return _recipe.recipe(
+            plan, self.kind, w, guard, alone, self.src, self.stack, identity, transport.lazy
+        )
 
     def apply(self, flat, transport, plan, sync, to_cpu, signature):
         r = self.recipe(plan, transport, signature is not None, to_cpu)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .._backends.base import TORCH, Kernels, Transport
+from .._backends.hosted import Hosted
 from .._encode import pack as _pack
 from .._encode import wire as _wire
 from .._guard import guard as _guard
@@ -55,6 +56,8 @@ def execute(
     with torch.no_grad():
         if r.identity:
             out, agree = _identity(r, flat, transport, to_cpu), True
+        elif r.hosted and sync:
+            out, agree = _hosted(r, flat, transport, signature, to_cpu)
         else:
             out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
     for i in flat.scalars:
@@ -86,6 +89,24 @@ def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
                 torch.tensor([value] if r.kind == "gather" else value, dtype=b.dtype), op
             )
     return _empties(r, flat, out, to_cpu)
+
+
+def _hosted(r: Recipe, flat, transport: Transport, signature, to_cpu: bool):
+    """The output leaves and the verdict of a lazy engine's small call
+    (:mod:`xcoll._backends.hosted`): its tensor leaves fetched after one sync
+    of what is pending (the caller's work too, as a program of its own),
+    packed, sent and cut on the host; the tensor outputs uploaded in one
+    call, unless ``to_cpu``."""
+    leaves = list(flat.leaves)
+    sent = r.tensor_leaves
+    for i, host in zip(sent, transport.fetch([leaves[i] for i in sent]), strict=True):
+        leaves[i] = host
+    out, agree = _leaves_out(r, flat, Hosted(transport, leaves), signature, True, True)
+    if not to_cpu:
+        tensors = flat.tensors
+        for i, up in zip(tensors, transport.upload_all([out[i] for i in tensors]), strict=True):
+            out[i] = up
+    return out, agree
 
 
 def _copies(transport: Transport, tensors: list[torch.Tensor], to_cpu: bool) -> list[torch.Tensor]:
@@ -221,24 +242,16 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
     return results
 
 
-#: Bytes up to which an eager engine's first collective (the one with the
-#: guard's header) is sent padded to exactly this size: replicas whose later
-#: calls differ in size (a metrics dict without a key, a leaf in float64) then
-#: still meet in one collective, whose header names the difference, where
-#: gloo would abort the replica that receives more than it expects.
-SMALL = 4096
-
-
 def _classed(r: Recipe, transport: Transport, wire: torch.Tensor) -> torch.Tensor:
     """The first collective of an eager engine's guarded call, waited for: a
-    small one sent in the one size class of :data:`SMALL` bytes, its padding
-    cut from the result (a gather's from each replica's row)."""
+    small one sent in the one size class of :data:`~xcoll._encode.pack.SMALL`
+    bytes, its padding cut from the result (a gather's from each replica's row)."""
     n, size = wire.numel(), wire.element_size()
-    if n * size > SMALL:  # (every element size divides it)
+    if n * size > _pack.SMALL:  # (every element size divides it)
         result = _send(r, transport, wire, 0)
         transport.wait()
         return result
-    padded = wire.new_zeros(SMALL // size)
+    padded = wire.new_zeros(_pack.SMALL // size)
     padded[:n] = wire
     result = _send(r, transport, padded, 0)
     transport.wait()

@@ -12,7 +12,9 @@ call reads them straight through.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from .._encode import pack as _pack
+from .._encode import wire as _wire
 from .._guard import check as _check
 from .._guard import guard as _guard
 
@@ -101,6 +104,10 @@ class Recipe:
     #: collective is an identity, so each output is its leaf's own copy
     #: (:func:`xcoll._core.execute.execute`).
     identity: bool = False
+    #: A lazy engine's call whose buffers, header included, fit in
+    #: :data:`xcoll._encode.pack.SMALL` bytes: with sync, packed and cut on
+    #: the host around one all-gather of that size (:mod:`xcoll._backends.hosted`).
+    hosted: bool = False
 
     @functools.cached_property
     def tensor_leaves(self) -> tuple[int, ...]:
@@ -122,14 +129,29 @@ def recipe(
     src: int,
     stack: bool,
     identity: bool = False,
+    lazy: bool = False,
 ) -> Recipe:
     """``plan``'s recipe (cached on it): with ``guard``'s header, and a move's
     buckets of one tensor of ``alone`` bytes or more (0: none) travelling as
-    themselves; made of copies if ``identity``."""
-    key = (kind, world, guard, alone, src, stack, identity)
+    themselves; made of copies if ``identity``; on a ``lazy`` engine, hosted
+    if it is small."""
+    key = (kind, world, guard, alone, src, stack, identity, lazy)
     if key not in plan._recipes:
-        plan._recipes[key] = _build(plan, kind, world, guard, alone, src, stack, identity)
+        r = _build(plan, kind, world, guard, alone, src, stack, identity)
+        small = lazy and world > 1 and not identity and _nbytes(r) <= _pack.SMALL
+        plan._recipes[key] = dataclasses.replace(r, hosted=True) if small else r
     return plan._recipes[key]
+
+
+def _nbytes(r: Recipe) -> int:
+    """The bytes that ``r``'s collectives send, its header included."""
+    if r.kind != "reduce":
+        alone = sum(r.buckets[j].size * r.buckets[j].dtype.itemsize for j in r.alone)
+        return alone + (r.joined.words * 4 if r.joined is not None else 0)
+    return sum(
+        sum(math.prod(s) for s in shapes) * _wire.reduced_dtype(b.dtype, op).itemsize
+        for b, op, shapes in zip(r.buckets, r.ops, r.part_shapes, strict=True)
+    )
 
 
 def guard(kind: str, dtype: torch.dtype, how: str, world: int, lazy: bool) -> Guard:

@@ -134,6 +134,16 @@ def plan(
     return list(buckets.values())
 
 
+#: Bytes up to which a call's buffers travel in one size class of exactly
+#: this size (an eager engine's first collective, padded; a lazy engine's
+#: whole call, :mod:`xcoll._backends.hosted`): replicas whose calls differ in
+#: size (a metrics dict without a key, a leaf in float64) then still meet in
+#: one collective, whose guard header names the difference, where the engine
+#: would abort (gloo: the replica that receives more than it expects; XLA: the
+#: process, on programs that differ).
+SMALL = 4096
+
+
 def size_bucket(n: int) -> int:
     """The padded size for a largest size ``n``: 0 or the next power of two, so
     that sizes up to ``N`` compile at most ``ceil(log2(N)) + 2`` graphs on XLA.

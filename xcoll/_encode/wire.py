@@ -88,6 +88,15 @@ def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
     return list(t.split(_CHUNK)) if t.shape[0] > _CHUNK else [t]
 
 
+def reduced_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    """The dtype in which :func:`encode_reduce` sends ``dtype`` for ``op``."""
+    if dtype == torch.bool:
+        return torch.uint8
+    if dtype.is_floating_point:
+        return BITS[dtype] if op in ("max", "min") else ACCUMULATE.get(dtype, dtype)
+    return dtype
+
+
 def encode_reduce(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
     """``buf`` in the form whose integer or float all-reduce ``op`` gives the
     result: bools as uint8 (max = any, min = all), float max/min as ordered keys,

@@ -6,7 +6,7 @@ batch size, so ``DistributedSampler`` pads it with repeated samples and the last
 batch is short. Still, every sample is counted exactly once:
 
 * predictions: each batch's predictions and dataset indices are gathered to the
-  host in one call (one graph execution, which also runs the forward pass);
+  host in one call (its sync also runs the forward pass);
   ``xcoll.by_index`` then puts them in dataset order, each sample once;
 * metrics: loss and accuracy accumulate on the device, with the sampler's padding
   masked out, with no sync inside the loop beyond the per-batch gather; one
