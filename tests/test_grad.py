@@ -252,6 +252,19 @@ def test_a_training_step_with_sync_false_has_the_same_gradients(xla_pools, data)
     _check(pool, name, example, {"sync": False, **kwargs.get(name, {})})
 
 
+@pytest.mark.parametrize("world", ["xla-cpu-1", "xla-cpu-2"])
+def test_pending_leaves_aliased_in_two_patterns_get_their_own_gradients(world):
+    # Regression (found by a random-seed run): torch_xla's graph cache keys a
+    # program by its nodes, not by which output reads which, so a call whose
+    # pending leaves (views made on the device) alias as [a, a, c] after one
+    # of the same signature as [a, c, a] reused its program: wrong values.
+    # (512, 4) float32 leaves: a call above the small size class, traced.
+    pool = shared_pool(world)
+    spec = S.TensorSpec(torch.float32, (512, 4), True)
+    for alias in ({1: 0}, {2: 0}, {1: 0}):
+        _check(pool, "gather", ([spec, spec, spec], 0, alias), {"stack": False, "dim": 0})
+
+
 # ---- torch.autograd.gradcheck on gloo W=2 ---------------------------------------
 
 

@@ -561,14 +561,17 @@ class XlaTransport(Transport):
         # passed twice (t, t.detach()). Each such leaf is fetched (a transfer:
         # it is data, so nothing runs) and uploaded again (a 0-d one as 1-d:
         # torch_xla shares no upload of more than 0 dims), all in one call. A
-        # pending tensor passed twice cannot be split this way
-        # (docs/design.md). In a world of one too: its program would depend
-        # on its values, and be compiled again for each pattern of them.
+        # pending tensor passed twice runs its graph alone first
+        # (_run_repeated), then is split the same way. In a world of one too:
+        # its program would depend on its values, and be compiled again for
+        # each pattern of them.
         leaves = flat.leaves
         tensors, zero_d = flat.tensors, set(flat.zero_d)
         handles: Sequence[int | None] | None = _xlac.data_handles([leaves[i] for i in tensors])
         if handles is None:  # (one call if all are data) some are pending: asked one by one
             twice = len({id(leaves[i]) for i in tensors}) < len(tensors)
+            if twice:
+                _run_repeated(self.device, [leaves[i] for i in tensors])
             handles = [
                 _xlac.data_handle(leaves[i]) if twice or i in zero_d else None for i in tensors
             ]
@@ -671,6 +674,27 @@ class XlaTransport(Transport):
             _xlac.sync_only([out])
         _xlac.wait_device(self.device)
         return self.to_host([out])[0].view(self.world_size(), -1)
+
+
+def _run_repeated(device: torch.device, tensors: Sequence[torch.Tensor]) -> None:
+    """Runs the graph of each pending tensor that ``tensors`` hold more than
+    once, alone, and waits for it, so that it is data on every replica (and
+    :meth:`XlaTransport.own_buffers`
+    gives its second place a buffer of its own). torch_xla's graph cache keys
+    a program by its nodes, not by which output reads which of them: a call
+    of one signature whose pending leaves alias in another pattern ([a, a, c]
+    after [a, c, a]) reused the first call's program and returned wrong
+    values (measured: gradients of a world of one on XLA:CPU)."""
+    seen: set[int] = set()
+    repeated = []
+    for t in tensors:
+        if id(t) in seen and _xlac.data_handle(t) is None:
+            repeated.append(t)
+        seen.add(id(t))
+    if repeated:
+        with SYNC_LOCK:
+            _xlac.sync_only(repeated)
+        _xlac.wait_device(device)
 
 
 def _narrowed(device: torch.device) -> dict[torch.dtype, tuple[str, str]]:
