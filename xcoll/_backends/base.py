@@ -246,7 +246,7 @@ class Transport(ABC):
 
     def fetch(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """:meth:`sync_and_fetch` of ``tensors`` that are the caller's (a lazy
-        engine syncs only where work is pending)."""
+        engine syncs only where one of them is pending)."""
         return self.sync_and_fetch(tensors)
 
     def sync_and_fetch(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -641,10 +641,13 @@ class XlaTransport(Transport):
         return self.to_host(tensors)
 
     def fetch(self, tensors):
-        # Everything pending runs first (the caller's work with it, as in any
-        # call's sync), as this replica's own program; nothing pending: no
-        # step (_xlac.pending says why), a transfer.
-        if _xlac.pending(self.device):
+        # Where a leaf is pending, everything pending runs first (the caller's
+        # work with it, as in any call's sync), as this replica's own program;
+        # then this device has live pending tensors, so the step's barrier is
+        # its own (_xlac.pending). Leaves that are data: a transfer, no step.
+        # (One call over the leaves, not _xlac.pending's pass over every live
+        # tensor of the device, a model's parameters included.)
+        if tensors and _xlac.data_handles(tensors) is None:
             with SYNC_LOCK:
                 _xlac.step(self.device)
             _xlac.run_step_closures()

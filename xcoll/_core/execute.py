@@ -93,8 +93,9 @@ def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
 
 def _hosted(r: Recipe, flat, transport: Transport, signature, to_cpu: bool):
     """The output leaves and the verdict of a lazy engine's small call
-    (:mod:`xcoll._backends.hosted`): its tensor leaves fetched after one sync
-    of what is pending (the caller's work too, as a program of its own),
+    (:mod:`xcoll._backends.hosted`): its tensor leaves fetched (where one is
+    pending, after one sync of what is pending, the caller's work too, as a
+    program of its own),
     packed, sent and cut on the host; the tensor outputs uploaded in one
     call, unless ``to_cpu``."""
     leaves = list(flat.leaves)

@@ -12,7 +12,6 @@ call reads them straight through.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -137,20 +136,19 @@ def recipe(
     if it is small."""
     key = (kind, world, guard, alone, src, stack, identity, lazy)
     if key not in plan._recipes:
-        r = _build(plan, kind, world, guard, alone, src, stack, identity)
-        small = lazy and world > 1 and not identity and _nbytes(r) <= _pack.SMALL
-        plan._recipes[key] = dataclasses.replace(r, hosted=True) if small else r
+        plan._recipes[key] = _build(plan, kind, world, guard, alone, src, stack, identity, lazy)
     return plan._recipes[key]
 
 
-def _nbytes(r: Recipe) -> int:
-    """The bytes that ``r``'s collectives send, its header included."""
-    if r.kind != "reduce":
-        alone = sum(r.buckets[j].size * r.buckets[j].dtype.itemsize for j in r.alone)
-        return alone + (r.joined.words * 4 if r.joined is not None else 0)
+def _nbytes(joined: _pack.Joined | None, buckets, ops, part_shapes) -> int:
+    """The bytes that a lazy engine's collectives send, the header included:
+    a move's joined buffer (nothing travels alone there), or a reduce's
+    encoded buckets."""
+    if not ops:
+        return joined.words * 4 if joined is not None else 0
     return sum(
         sum(math.prod(s) for s in shapes) * _wire.reduced_dtype(b.dtype, op).itemsize
-        for b, op, shapes in zip(r.buckets, r.ops, r.part_shapes, strict=True)
+        for b, op, shapes in zip(buckets, ops, part_shapes, strict=True)
     )
 
 
@@ -171,6 +169,7 @@ def _build(
     src: int,
     stack: bool,
     identity: bool,
+    lazy: bool,
 ) -> Recipe:
     b = plan.buckets
     joined = kind != "reduce"
@@ -186,17 +185,20 @@ def _build(
         casts[0] = (None, *casts[0])
         means[0] = tuple((a + g.size, z + g.size) for a, z in means[0])
     apart = _apart(b, live, alone) if joined else ()
+    layout = _joined(b, live, apart, g) if joined else None
+    ops = tuple(plan.ops[k] for k in live) if plan.ops else ()
+    small = _nbytes(layout, [b[k] for k in live], ops, part_shapes) <= _pack.SMALL
     return Recipe(
         kind=kind,
         world=world,
         src=src,
         buckets=tuple(b[k] for k in live),
-        ops=tuple(plan.ops[k] for k in live) if plan.ops else (),
+        ops=ops,
         part_shapes=tuple(part_shapes),
         shapes=tuple(shapes),
         casts=tuple(casts),
         means=tuple(means),
-        joined=_joined(b, live, apart, g) if joined else None,
+        joined=layout,
         alone=apart,
         guard=g,
         empties=_empties(plan),
@@ -209,6 +211,7 @@ def _build(
         ),
         ints=tuple(b[k].exact for k in live if b[k].scalars),
         identity=identity,
+        hosted=lazy and world > 1 and not identity and small,
     )
 
 
