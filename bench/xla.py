@@ -48,11 +48,10 @@ def _sync() -> None:
     import torch_xla
 
     from xcoll._backends import _xlac
-    from xcoll._backends.xla import SYNC_LOCK
+    from xcoll._backends import xla as _xla
 
     device = torch_xla.device()
-    with SYNC_LOCK:
-        _xlac.step(device)
+    _xla.step(device)
     _xlac.wait_device(device)
     _xlac.run_step_closures()
 

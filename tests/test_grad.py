@@ -441,10 +441,19 @@ def test_the_contrastive_example_under_torchrun_matches_one_process():
 @pytest.mark.skipif(
     importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed"
 )
-def test_the_contrastive_example_under_torch_xla_launch_matches_one_process():
-    env = {**XLA_CPU, "XLA_THREAD_POOL_SIZE": "16", "PJRT_CPU_ASYNC_CLIENT": "false"}
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_contrastive_training_loop_under_torch_xla_defaults_matches_one_process(world):
+    # torch_xla's environment as it is (but the thread pool xcoll asks for):
+    # under its asynchronous CPU client this loop aborted within 5 steps at W=4
+    env = {**XLA_CPU, "CPU_NUM_DEVICES": str(world), "XLA_THREAD_POOL_SIZE": "16"}
     result = _example([], env, "--xla")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("step")] == [
+        "step 0",
+        "step 5",
+        "step 10",
+        "step 15",
+    ], result.stdout
     assert "largest difference from single-process training" in result.stdout, result.stdout
 
 

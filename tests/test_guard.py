@@ -166,29 +166,14 @@ def test_the_watchdogs_diagnosis_names_the_call_and_what_to_do():
     )
 
 
-@pytest.mark.parametrize(
-    "env, client",
-    [
-        ({"PJRT_DEVICE": "CPU"}, True),  # torch_xla's default: the asynchronous client
-        ({"PJRT_DEVICE": "CPU", "PJRT_CPU_ASYNC_CLIENT": "true"}, True),
-        ({"PJRT_DEVICE": "CPU", "PJRT_CPU_ASYNC_CLIENT": "false"}, False),
-        ({"PJRT_DEVICE": "CPU", "PJRT_CPU_ASYNC_CLIENT": "0"}, False),
-        ({"PJRT_DEVICE": "TPU"}, False),
-    ],
-)
-def test_a_diagnosis_names_only_the_causes_that_fit_the_engine(monkeypatch, env, client):
+def test_a_diagnosis_names_only_the_causes_that_fit_the_engine():
     from xcoll._guard import guard as _guard
 
-    for name in ("PJRT_DEVICE", "PJRT_CPU_ASYNC_CLIENT"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
     eager, lazy = _guard.causes(False), _guard.causes(True)
-    # on torch.distributed: no program, no PJRT client
+    # on torch.distributed: no program
     assert "has not reached this call" in eager and "(2) a replica made a different" in eager
-    assert "programs" not in eager and "PJRT" not in eager, eager
-    assert "(3) the replicas' programs differ: " in lazy, lazy
-    assert ("(4) torch_xla's asynchronous PJRT CPU client" in lazy) == client, lazy
+    assert "programs" not in eager, eager
+    assert "(3) the replicas' programs differ: " in lazy and "(4)" not in lazy, lazy
 
 
 def test_a_world_of_one_starts_no_watch_and_sends_no_header():
@@ -528,13 +513,14 @@ def _aborted(name: str) -> str:
 
 def _per_replica_factor(case):
     """One call on every replica, but work pending before it that holds a
-    per-replica value made on the device (traced as a constant): the
+    per-replica op (rank 0 adds and subtracts ``o``): the
     replicas' programs differ (the user's, not xcoll's) where the call is in
     the program (``(rows, 3)`` float32: 512 rows make a large call, 2 a small
     one, whose collective is a program of its own). Returns the call's result."""
     _, rows = case
     dev = device()
-    o = torch.ones(rows, 3).to(dev) + torch.full((rows, 3), float(xcoll.rank()), device=dev)
+    o = torch.ones(rows, 3).to(dev)
+    o = o + o - o if xcoll.rank() == 0 else o  # (the same values, another program)
     return xcoll.reduce({"loss": o if rows > 2 else o.sum()})["loss"].cpu().sum().item()
 
 
@@ -543,8 +529,7 @@ def test_a_small_call_after_per_replica_pending_work_returns():
     # collective as one program, the same on every replica
     pool = shared_pool("xla-cpu-2")
     w = pool.world_size
-    expected = sum(6 * (1 + r) for r in range(w))
-    assert pool.run(_per_replica_factor, [("factor", 2)] * w) == [expected] * w
+    assert pool.run(_per_replica_factor, [("factor", 2)] * w) == [6.0 * w] * w
 
 
 def test_different_programs_are_diagnosed_before_xla_aborts():

@@ -30,6 +30,7 @@ LAYERS = [
     ],
     ["xcoll._core.tree"],
     ["xcoll._backends.base", "xcoll._backends._xlac", "xcoll._backends._launch"],
+    ["xcoll._backends.compile_lock"],
     ["xcoll._backends.xla", "xcoll._backends.dist", "xcoll._backends.hosted"],
     ["xcoll._backends"],
     ["xcoll._guard.exchange"],

@@ -10,6 +10,7 @@ broadcast (one per dtype and op for a reduce), one sync.
 {'loss': tensor([2.]), 'count': 3}
 """
 
+from ._backends._launch import default_cpu_client as _default_cpu_client
 from ._collectives import broadcast, gather, rank, reduce, sync, world_size
 from ._encode.codec import decode as decode_object
 from ._encode.codec import encode as encode_object
@@ -42,3 +43,5 @@ __all__ = [
     "consistency_checks",
 ]
 __version__ = "0.1.0"
+
+_default_cpu_client()  # (before any XLA runtime of this program starts: docs/launchers.md)

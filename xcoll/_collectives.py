@@ -330,11 +330,14 @@ def sync() -> None:
 
     On XLA this is ``torch_xla.sync()`` under xcoll's process-wide lock, which
     thread-per-device replicas (XLA:CPU, older TPUs) need to avoid compiling the
-    same graph once per thread, followed by a wait for this replica's execution;
-    elsewhere it does nothing. A wait of more than a few seconds (a replica
-    that skipped a call) prints xcoll's diagnosis to stderr.
+    same graph once per thread, followed by a wait for this replica's execution
+    and a read of the guards of the ``sync=False`` calls it ran; elsewhere it
+    does nothing. A wait of more than a few seconds (a replica that skipped a
+    call) prints xcoll's diagnosis to stderr.
 
     Raises:
+        CollectiveMismatchError: a ``sync=False`` call that it ran differed
+            between replicas (on every replica).
         RuntimeError: as in :func:`rank` (a launched process without a process
             group).
 

@@ -4,6 +4,7 @@ that name the cause of a launch that went wrong (docs/launchers.md)."""
 from __future__ import annotations
 
 import os
+import sys
 
 #: The variables in which launchers tell a process how many processes they
 #: started and which one it is, and whose environment that is. The first one
@@ -60,3 +61,25 @@ def launch_hint(xla_leaves: bool) -> str:
         + ("" if xla_leaves else ", or call torch.distributed.init_process_group first")
         + " (docs/launchers.md)"
     )
+
+
+#: The value of ``PJRT_CPU_ASYNC_CLIENT`` that xcoll sets where it is unset.
+SYNC_CPU_CLIENT = "false"
+
+
+def default_cpu_client() -> None:
+    """Makes XLA:CPU's synchronous PJRT client the default of an XLA runtime
+    that starts after xcoll is imported (``PJRT_CPU_ASYNC_CLIENT=false``,
+    where it is unset and no runtime runs yet; the replicas that
+    ``torch_xla.launch`` starts inherit it). Under torch_xla's default, the
+    asynchronous client, thread-per-device replicas aborted training steps
+    (:mod:`xcoll._backends.compile_lock`). The variable is read by XLA:CPU
+    alone."""
+    if "PJRT_CPU_ASYNC_CLIENT" in os.environ:
+        return
+    if "torch_xla" in sys.modules:  # (else no runtime runs: torch_xla is not imported here)
+        from . import _xlac
+
+        if _xlac.runtime_is_initialized():
+            return
+    os.environ["PJRT_CPU_ASYNC_CLIENT"] = SYNC_CPU_CLIENT

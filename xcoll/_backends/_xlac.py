@@ -123,6 +123,8 @@ def get_cpu_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 # torch_xla.sync()'s debugging settings, which it reads on every call; xcoll
 # reads them when it starts (set later, they take effect in torch_xla.sync()).
 _SYNC_SETTINGS = ("XLA_EMIT_STEPLOG", "XLA_SYNC_WAIT", "XLA_METRICS_FILE")
+# (torch_xla's own: thread-per-device XLA:CPU replicas replace torch_xla.sync, xla.own_sync)
+_TORCH_XLA_SYNC = torch_xla.sync
 _SYNC_AS_IS = any(os.environ.get(v) not in (None, "", "0", "false", "False") for v in _SYNC_SETTINGS)
 
 
@@ -142,7 +144,7 @@ def step(device: torch.device) -> None:
     if _SYNC_AS_IS:
         context = _device_context(name)
         held, context.step_closures = getattr(context, "step_closures", None) or [], []
-        torch_xla.sync()
+        _TORCH_XLA_SYNC()
         context.step_closures = held + (getattr(context, "step_closures", None) or [])
         return
     _binding("_xla_step_marker")(name, [], wait=False)
@@ -158,6 +160,17 @@ def pending(device: torch.device) -> bool:
     return any(_binding("_check_device_tensor_need_materialization")(str(device)))
 
 
+def compile_counts() -> tuple[int, int]:
+    """How many executables torch_xla's graph cache holds, and how many steps
+    have found theirs there (its ``CachedCompile`` counter): process-wide,
+    read under torch_xla's locks. A step changes one of them after it has
+    compiled (and cached) its graph or found it, before it dispatches it. No
+    public API but ``torch_xla.debug.metrics.counter_value``, which this
+    reads without its Python wrapper."""
+    cached = _binding("_xla_get_num_cached_compilation_graph")()
+    return cached, _binding("_xla_counter_value")("CachedCompile") or 0
+
+
 def run_step_closures() -> None:
     """Runs the step closures registered for this thread's device (after
     :func:`step`, outside the lock). Replaces the part of ``torch_xla.sync()``
@@ -168,19 +181,6 @@ def run_step_closures() -> None:
     if closures is None:
         raise RuntimeError(_MISSING.format(name="core.xla_model._run_step_closures"))
     closures()
-
-
-def add_step_closure(device: torch.device, closure: Any) -> None:
-    """Has ``closure()`` run after ``device``'s next step, as
-    ``xm.add_step_closure(closure)`` does from a thread whose default device
-    is ``device``; this names the device, so a call traced on another thread
-    (autograd runs a backward on a thread of its own per device) registers
-    it for the replica's own step."""
-    context = _device_context(str(device))
-    closures = getattr(context, "step_closures", None)
-    if closures is None:
-        closures = context.step_closures = []
-    closures.append(closure)
 
 
 def _device_context(name: str) -> Any:
@@ -239,3 +239,14 @@ def scalars_as_data() -> None:
     environment variable, which must be set before torch_xla starts."""
     if _binding("_get_xla_handle_special_scalars")():
         _binding("_set_xla_handle_special_scalars")(False)
+
+
+def scalar_data_unshared() -> None:
+    """Makes torch_xla upload each Python scalar of a traced op as data of its
+    own. Its device-data cache gives scalars of equal value one buffer, and so
+    one parameter of the program: replicas whose per-replica scalars coincide
+    with other values differently (``x + 10 * rank`` is 0 on rank 0 only)
+    trace different programs (measured: XLA's abort at W=2; with the cache
+    off, the values). Public API: only ``XLA_ENABLE_DEVICE_DATA_CACHE``,
+    read when torch_xla starts."""
+    _binding("_set_xla_enable_device_data_cache")(False)

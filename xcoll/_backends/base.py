@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -174,6 +175,10 @@ class Transport(ABC):
     #: Whether :meth:`broadcast` sums its guard header over every replica
     #: (an all-reduce), rather than delivering ``src``'s.
     broadcast_sums = True
+    #: Whether the replicas are threads of this process that compile their
+    #: programs apart (XLA:CPU): a graph synced by one of them alone (an
+    #: ``.item()`` of a pending output) aborts there.
+    replica_threads = False
 
     @functools.cached_property
     def group_key(self) -> Hashable:
@@ -234,11 +239,18 @@ class Transport(ABC):
     def sync(self) -> None:
         """Runs everything traced so far (no-op for eager engines)."""
 
-    def after_sync(self, closure: Callable[[], None]) -> None:
-        """Has ``closure()`` run after the caller's next sync has run what is
-        pending (lazy engines; it runs outside any lock, so it may read
-        results and communicate)."""
+    def defer(self, verdict: Any) -> None:
+        """Has :meth:`settle` read ``verdict`` (an
+        :class:`~xcoll._core.execute.Verdict`: the guard of a ``sync=False``
+        call) once a sync has run it (lazy engines)."""
         raise NotImplementedError(f"{type(self).__name__} runs no graph: nothing waits for a sync")
+
+    def settle(self) -> None:
+        """Reads the deferred verdicts that a sync has run (each raises where
+        the replicas' calls differ, on every replica); called at each call's
+        entry and after each of xcoll's syncs, never inside a caller's own
+        sync or lock (the read waits for the execution, and so for every
+        replica). Eager engines defer nothing."""
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """CPU copies of ``tensors``, fetched together."""

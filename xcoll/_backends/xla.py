@@ -16,13 +16,15 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
 * XLA:CPU cannot all-reduce bfloat16 (``_wire`` sums half precision in float32).
 * When thread-per-device replicas reach ``torch_xla.sync()`` together with a
   graph not yet compiled, each thread compiles its own executable and their
-  collectives never meet. A process-wide lock around the sync lets the first
-  thread compile and the others hit the cache; the lock is released once the
-  execution is dispatched, before it ends. (With XLA:CPU's asynchronous PJRT
-  client a step marker could block, lock held, releasing a buffer that an
-  execution waiting at a rendezvous still used: training steps need the
-  synchronous one, docs/gradients.md.) In a one-replica process it costs
-  nothing. See :func:`sync` for why it then waits.
+  collectives never meet. A process-wide lock around the step lets the first
+  thread compile and the others hit the cache; it is held only until the
+  step's graph is compiled (:mod:`.compile_lock` says why). In a
+  one-replica process it costs nothing. See :func:`sync` for why a step then
+  waits.
+* A ``sync=False`` call's verdict is read once its header is data, at this
+  device's next xcoll call or sync (:meth:`XlaTransport.settle`), never
+  inside someone else's step: a read waits for the execution, and so for
+  every replica's step.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ from .._encode import wire as _wire
 from . import _xlac
 from ._launch import launch_hint
 from .base import Kernels, Transport
+from .compile_lock import CompileLock
 
-SYNC_LOCK = threading.Lock()
+SYNC_LOCK = CompileLock()
 
 # From the first XLA call on, 0-d values of 0 and 1 are data, not constants
 # (docs/design.md, "One program on every replica").
@@ -77,8 +80,9 @@ _REDUCE_TYPES = {
 _computations: _memo.Memo[object] = _memo.Memo(locked=True)
 
 
-def sync(device: torch.device | None = None) -> None:
-    """Runs this replica's pending graph and waits for it to finish.
+def sync(device: torch.device | None = None, wait: bool = True) -> None:
+    """Runs this replica's pending graph and waits for it to finish (unless
+    not ``wait``: :func:`own_sync`).
 
     ``torch_xla.sync()`` runs under the process-wide lock (see the module
     docstring). Then it waits, so that each replica has one execution in flight:
@@ -89,12 +93,30 @@ def sync(device: torch.device | None = None) -> None:
     """
     device = device or torch_xla.device()
     if _xlac.pending(device):
-        with SYNC_LOCK:
-            _xlac.step(device)
-        _xlac.wait_device(device)
+        step(device)
+        if wait:
+            _xlac.wait_device(device)
     else:  # (_xlac.pending says why there is no step then)
         _xlac.reset_token(device)
     _xlac.run_step_closures()  # (outside the lock: _xlac.step says why)
+
+
+def step(device: torch.device) -> None:
+    """:func:`_xlac.step` of ``device`` under :data:`SYNC_LOCK`."""
+    held = SYNC_LOCK.hold()
+    try:
+        _xlac.step(device)
+    finally:
+        SYNC_LOCK.release(held)
+
+
+def sync_only(tensors: Sequence[torch.Tensor]) -> None:
+    """:func:`_xlac.sync_only` of ``tensors`` under :data:`SYNC_LOCK`."""
+    held = SYNC_LOCK.hold()
+    try:
+        _xlac.sync_only(tensors)
+    finally:
+        SYNC_LOCK.release(held)
 
 
 def _join(ops, shapes):
@@ -485,18 +507,20 @@ _DOWNCASTS = {
 }
 
 
-_pool_ok = False
+_set_up = False
 
 
-def _check_thread_pool(device: torch.device) -> None:
+def _set_up_process(device: torch.device) -> None:
     """Raises, naming the fix, where a launch would fail in XLA: several
     devices in a process that was not started as their replicas, or more
-    XLA:CPU replica threads than torch_xla's thread pool has threads (only
-    that many reach a collective, and XLA aborts the process after 10 s: "only
-    2 of them arrived", measured with ``torch_xla.launch`` at W=4 on 2 cores).
-    Checked once per process."""
-    global _pool_ok
-    if _pool_ok:
+    XLA:CPU replica threads than torch_xla's thread pool has threads (only that many
+    reach a collective, and XLA aborts the process after 10 s: "only 2 of
+    them arrived", measured with ``torch_xla.launch`` at W=4 on 2 cores).
+    Then, on XLA:CPU replica threads, makes ``torch_xla.sync`` xcoll's
+    (:func:`own_sync`) and each traced scalar data of its own
+    (:func:`_xlac.scalar_data_unshared`). Once per process."""
+    global _set_up
+    if _set_up:
         return
     hint = launch_hint(xla_leaves=True)
     if hint and xr.world_size() == 1:  # results would be W times too small
@@ -524,7 +548,27 @@ def _check_thread_pool(device: torch.device) -> None:
                 f"XLA_THREAD_POOL_SIZE={max(16, 2 * replicas)} in the environment that starts "
                 "the program (docs/launchers.md)"
             )
-    _pool_ok = True
+    if cpu:
+        torch_xla.sync = own_sync
+        _xlac.scalar_data_unshared()
+    _set_up = True
+
+
+def own_sync(wait: bool = False, reset_scope: bool = True) -> None:
+    """``torch_xla.sync`` (what ``xm.mark_step()`` and ``MpDeviceLoader``
+    call) on thread-per-device XLA:CPU replicas, from xcoll's first call
+    there on: :func:`sync` of the calling thread's device (``reset_scope``
+    is torch_xla's default). torch_xla's own, called by W replica threads at
+    once, compiles a new graph once per thread, and the collectives never
+    meet (measured: plain ``xm.all_reduce`` then ``torch_xla.sync()`` at W=2
+    aborted 3 runs of 3); with nothing pending, its step locks device 0 as
+    its barrier and waits for replica 0's execution. It waits for nothing
+    (``wait`` too is moot), and verdicts of ``sync=False`` calls are read at
+    the next xcoll call: a caller may sync under a lock of its own, and a
+    wait there would wait for the replicas that wait for that lock. (The
+    device's next step waits for this one's execution: torch_xla locks the
+    device until the synchronous client has run it.)"""
+    sync(torch_xla.device(), wait=False)
 
 
 class XlaTransport(Transport):
@@ -533,13 +577,15 @@ class XlaTransport(Transport):
 
     def __init__(self, device: torch.device | None):
         self.device = torch.device(device) if device is not None else torch_xla.device()
-        _check_thread_pool(self.device)
+        self._key = str(self.device)
+        _set_up_process(self.device)
         # What a call asks of its replica and of the device, fixed for the
         # process: its rank and world size, and the dtypes that the device
         # keeps narrower (torch_xla reads those settings when it starts).
         self._rank = xr.global_ordinal()
         self._world = xr.world_size()
         self._narrowed = _narrowed(self.device)
+        self.replica_threads = xr.addressable_runtime_device_count() > 1 and self._world > 1
 
     def validate(self, flat) -> None:
         if not self._narrowed:
@@ -630,15 +676,17 @@ class XlaTransport(Transport):
 
     def sync(self) -> None:
         sync(self.device)
+        self.settle()
 
     def sync_and_fetch(self, tensors):
         # Fetching an output of the execution waits for it, as sync's wait
         # would (one execution in flight per replica), and costs one wait less:
         # measured 0.3 ms per call at W=4 on 2 cores.
-        with SYNC_LOCK:
-            _xlac.step(self.device)
+        step(self.device)
         _xlac.run_step_closures()
-        return self.to_host(tensors)
+        hosts = self.to_host(tensors)
+        self.settle()
+        return hosts
 
     def fetch(self, tensors):
         # Where a leaf is pending, everything pending runs first (the caller's
@@ -648,13 +696,23 @@ class XlaTransport(Transport):
         # (One call over the leaves, not _xlac.pending's pass over every live
         # tensor of the device, a model's parameters included.)
         if tensors and _xlac.data_handles(tensors) is None:
-            with SYNC_LOCK:
-                _xlac.step(self.device)
+            step(self.device)
             _xlac.run_step_closures()
         return self.to_host(tensors)
 
-    def after_sync(self, closure) -> None:
-        _xlac.add_step_closure(self.device, closure)
+    def defer(self, verdict) -> None:
+        with _DEFERRED_LOCK:
+            _deferred.setdefault(self._key, []).append(verdict)
+
+    def settle(self) -> None:
+        # (a call of this thread on another device settles that device's)
+        if not _deferred.get(self._key):
+            return
+        ready = _ready(self._key)
+        for verdict in ready:  # (every one, before any raises)
+            verdict.read()
+        for verdict, host in zip(ready, self.to_host([v.header for v in ready]), strict=True):
+            verdict.check(host)
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # Bit for bit: torch_xla's float16 download makes every NaN the canonical
@@ -673,10 +731,30 @@ class XlaTransport(Transport):
     def exchange(self, buf: torch.Tensor) -> torch.Tensor:
         out = self.all_gather(buf)
         _xlac.reset_token(self.device)
-        with SYNC_LOCK:  # runs the graph of ``out`` alone, not everything pending
-            _xlac.sync_only([out])
+        sync_only([out])  # the graph of ``out`` alone, not everything pending
         _xlac.wait_device(self.device)
         return self.to_host([out])[0].view(self.world_size(), -1)
+
+
+# Deferred verdicts by device (XlaTransport.defer): a backward's call defers
+# from autograd's thread, the replica's own thread settles.
+_deferred: dict[str, list] = {}
+_DEFERRED_LOCK = threading.Lock()
+
+
+def _ready(device: str) -> list:
+    """The deferred verdicts of ``device`` whose header is data (a sync has
+    run their call), in the order of their calls, taken from the list."""
+    with _DEFERRED_LOCK:
+        waiting = _deferred.pop(device, [])
+        headers = [v.header for v in waiting]
+        if _xlac.data_handles(headers) is not None:  # (one call where all are)
+            return waiting
+        ready = [v for v in waiting if _xlac.data_handle(v.header) is not None]
+        rest = [v for v in waiting if _xlac.data_handle(v.header) is None]
+        if rest:
+            _deferred[device] = rest
+        return ready
 
 
 def _run_repeated(device: torch.device, tensors: Sequence[torch.Tensor]) -> None:
@@ -695,8 +773,7 @@ def _run_repeated(device: torch.device, tensors: Sequence[torch.Tensor]) -> None
             repeated.append(t)
         seen.add(id(t))
     if repeated:
-        with SYNC_LOCK:
-            _xlac.sync_only(repeated)
+        sync_only(repeated)
         _xlac.wait_device(device)
 
 

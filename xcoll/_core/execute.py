@@ -23,6 +23,7 @@ returned, not raised, so that a caller whose protocol goes on can go on.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from .._backends.hosted import Hosted
 from .._encode import pack as _pack
 from .._encode import wire as _wire
 from .._guard import guard as _guard
+from .._guard import watchdog as _watchdog
 from . import tree as _tree
 from .recipe import Recipe
 
@@ -159,7 +161,7 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
         if sync:
             _check(transport, signature, _guard.as_bytes(header), mine.decoded)
         else:  # (a lazy call's results exist only after the caller's sync)
-            transport.after_sync(Verdict(transport, signature, header, mine.decoded))
+            transport.defer(Verdict.deferred(transport, signature, header, mine.decoded))
     for scalars, block, ints in zip(r.scalars, blocks, r.ints, strict=True):
         if ints:  # (Python ints read back exactly, as Python ints)
             _exact_ints(flat, scalars, block.tolist(), ints, out)
@@ -379,17 +381,48 @@ def _materialise(
 @dataclass(frozen=True)
 class Verdict:
     """The verdict of a call made with ``sync=False`` on a lazy engine, read
-    once the caller's sync has run the call: ``header`` is then data, and
-    reading it is a transfer, not an execution. Run as a step closure
-    (:meth:`Transport.after_sync`): a verdict that disagrees raises from that
-    sync, on every replica."""
+    once a sync has run the call (:meth:`Transport.settle`, at the device's
+    next xcoll call or sync): ``header`` is then data, and reading it is a
+    transfer, not an execution. A verdict that disagrees raises there, on
+    every replica."""
 
     transport: Transport
     signature: _guard.Signature
     #: The header's piece of the call's result, on the device.
     header: torch.Tensor
     expected: bytes
+    #: Where the replicas are threads, the watchdog's hint until it is read.
+    watch: _watchdog.watch | None
 
-    def __call__(self) -> None:
-        got = _guard.as_bytes(self.transport.to_host([self.header])[0])
-        _check(self.transport, self.signature, got, self.expected)
+    @classmethod
+    def deferred(cls, transport: Transport, signature, header, expected: bytes) -> Verdict:
+        """A new verdict, watched where the replicas are threads: a replica
+        that reads an output before any sync has run the call (``.item()``,
+        ``.cpu()``, ``print``) runs its graph alone, compiled apart from the
+        other replicas', and XLA aborts the process; the hint comes first."""
+        watch = None
+        if transport.replica_threads:
+            rank = transport.rank_name(transport.rank())
+            watch = _watchdog.watch(functools.partial(_unread, signature.name, rank))
+            watch.__enter__()
+        return cls(transport, signature, header, expected, watch)
+
+    def read(self) -> None:
+        """Ends the watch: a sync has run the call."""
+        if self.watch is not None:
+            self.watch.__exit__()
+
+    def check(self, header: torch.Tensor) -> None:
+        """Raises where ``header`` (:attr:`header`, fetched) is not :attr:`expected`."""
+        _check(self.transport, self.signature, _guard.as_bytes(header), self.expected)
+
+
+def _unread(name: str, rank: str, seconds: float) -> str:
+    return (
+        f"xcoll: {name} on {rank}, made with sync=False {seconds:.0f} s ago, has not been "
+        "run by a sync yet (xcoll.sync(), torch_xla.sync(), or a later xcoll call). If this "
+        "replica waits in an .item(), .cpu() or print of a tensor computed from its "
+        "outputs: on XLA:CPU replica threads, that graph is compiled once per replica, "
+        "their collectives never meet, and XLA aborts the process; call xcoll.sync() "
+        "before reading the outputs (docs/launchers.md)."
+    )

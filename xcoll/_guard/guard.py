@@ -47,7 +47,6 @@ buffer (gloo, when sizes differ), the front is what arrives.
 from __future__ import annotations
 
 import functools
-import os
 import struct
 import threading
 import weakref
@@ -282,7 +281,7 @@ def diagnosis(rank: str, signature: Signature, seconds: float, lazy: bool = Fals
 def causes(lazy: bool) -> str:
     """What can make a replica wait in a collective, as far as xcoll can tell
     from here: the causes on every engine, and on XLA (``lazy``) the
-    programs and, on XLA:CPU, the PJRT client of this process."""
+    programs."""
     found = [
         "a replica has not reached this call (its code raised before it and went on, or it "
         "is still in an earlier call; tag the calls, tag= or xcoll.step, to name a skipped one)",
@@ -297,25 +296,11 @@ def causes(lazy: bool) -> str:
             "pending collectives outside xcoll.sync() (README, 'On XLA: one program on every "
             "replica')"
         )
-        if _async_cpu_client():
-            found.append(
-                "torch_xla's asynchronous PJRT CPU client, in use here, deadlocks XLA:CPU steps "
-                "with sync=False calls: set PJRT_CPU_ASYNC_CLIENT=false where the replicas "
-                "start (docs/launchers.md)"
-            )
     listed = "; ".join(f"({k}) {c}" for k, c in enumerate(found, 1))
     return (
         f"Causes that fit this wait: {listed}. The engine then times out, or XLA aborts the "
         "process."
     )
-
-
-def _async_cpu_client() -> bool:
-    """Whether XLA's runtime here is the CPU's, with its asynchronous client
-    (torch_xla's default, unless PJRT_CPU_ASYNC_CLIENT is false or 0)."""
-    if os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
-        return False
-    return os.environ.get("PJRT_CPU_ASYNC_CLIENT", "true").strip().lower() not in ("false", "0")
 
 
 class ConcurrentCallError(_check.CollectiveMismatchError):
@@ -363,6 +348,7 @@ class entered:
         t, error, self.error = self.transport, self.error, None  # (see the finally below)
         self.busy.__enter__()
         try:
+            t.settle()  # (an earlier sync=False call's verdict, where a sync has run it)
             try:
                 tag, number = _steps.tag(t.group_key, self.explicit)
             except TypeError as e:

@@ -147,10 +147,9 @@ def xla_cpu_env(world_size: int) -> dict[str, str]:
     """The environment under which W XLA:CPU replicas can run collectives in
     one process (measured; see docs/design.md): W CPU devices, the
     synchronous client (with the asynchronous one, torch_xla's default, a
-    training step's sync deadlocked: docs/gradients.md), a thread pool large
-    enough for every replica to reach a rendezvous, and no special-cased
-    scalar constants (which make replicas' graphs differ). :class:`XlaPool`
-    starts its worker with it.
+    training step's sync deadlocked: docs/launchers.md), a thread pool large enough for every replica to
+    reach a rendezvous, and no special-cased scalar constants (which make
+    replicas' graphs differ). :class:`XlaPool` starts its worker with it.
 
     Args:
         world_size: the number of replicas, W.
@@ -324,6 +323,21 @@ class XlaPool(_SpawnedPool):
     The XLA runtime starts in the worker with :func:`xla_cpu_env` (plus ``env``), so
     the calling process never initialises XLA. The worker starts at the first
     :meth:`run`, and again after a crash; README.md has an example.
+
+    Test your own code with it as it runs under ``torch_xla.launch`` on a CPU
+    host: the replicas are threads of one process, as there. What works on
+    them, from xcoll's first call on (tested in ``tests/test_xla_steps.py`` at
+    W=2 and 4): ``xcoll.sync()``, ``torch_xla.sync()``, ``xm.mark_step()``
+    and ``MpDeviceLoader`` (``torch_xla.sync`` is xcoll's on these threads),
+    a lock of your own around them, training steps of ``sync=False`` calls
+    with one sync each, per-replica Python scalars in pending work (each is
+    data of its own). What does not: an ``.item()``, ``.cpu()`` or ``print``
+    of a ``sync=False`` call's output before a sync has run it (each thread
+    compiles that graph apart, and XLA aborts the process; xcoll prints a
+    hint first: sync first), plain torch_xla collectives synced before
+    xcoll's first call (the same race), and training steps under torch_xla's
+    asynchronous CPU client (``env={"PJRT_CPU_ASYNC_CLIENT": "true"}``).
+    docs/launchers.md has the reasons.
 
     Args:
         world_size: the number of replicas, W.
