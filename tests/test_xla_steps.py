@@ -59,6 +59,9 @@ def test_a_sync_with_nothing_pending_does_not_wait_for_another_replica():
 
 # A lock of the caller's own around its syncs (the usual cure for compile races).
 _CALLERS_LOCK = threading.Lock()
+# Steps back to back: torch_xla.sync is xcoll's step without its wait there,
+# and a replica that ran ahead once hung every replica after a few dozen calls.
+STEPS = 40
 
 
 def _sync_false_calls(how: str) -> list[float]:
@@ -72,7 +75,7 @@ def _sync_false_calls(how: str) -> list[float]:
     x = torch.arange(1024.0).to(device())
     mine = torch.tensor([float(rank)]).to(device())
     got = []
-    for i in range(6):
+    for i in range(STEPS):
         out = xcoll.reduce({"x": x * (i + 2) + mine}, sync=False)
         if how == "torch_xla.sync":
             torch_xla.sync()
@@ -93,7 +96,7 @@ def test_a_callers_own_sync_runs_sync_false_calls(world, how):
     # per thread (XLA's abort); under the caller's lock it deadlocked on the
     # verdict's step closure, which fetched while the others waited for that lock
     pool = shared_pool(world)
-    assert pool.run(_sync_false_calls, [how] * pool.world_size) == [[0.0] * 6] * pool.world_size
+    assert pool.run(_sync_false_calls, [how] * pool.world_size) == [[0.0] * STEPS] * pool.world_size
 
 
 def _eval_over_mp_device_loader(n: int) -> list[float]:

@@ -63,9 +63,6 @@ def launch_hint(xla_leaves: bool) -> str:
     )
 
 
-#: The value of ``PJRT_CPU_ASYNC_CLIENT`` that xcoll sets where it is unset.
-SYNC_CPU_CLIENT = "false"
-
 
 def default_cpu_client() -> None:
     """Makes XLA:CPU's synchronous PJRT client the default of an XLA runtime
@@ -82,4 +79,4 @@ def default_cpu_client() -> None:
 
         if _xlac.runtime_is_initialized():
             return
-    os.environ["PJRT_CPU_ASYNC_CLIENT"] = SYNC_CPU_CLIENT
+    os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"

@@ -101,20 +101,15 @@ def sync(device: torch.device | None = None, wait: bool = True) -> None:
     _xlac.run_step_closures()  # (outside the lock: _xlac.step says why)
 
 
-def step(device: torch.device) -> None:
-    """:func:`_xlac.step` of ``device`` under :data:`SYNC_LOCK`."""
+def step(device: torch.device, tensors: Sequence[torch.Tensor] | None = None) -> None:
+    """Under :data:`SYNC_LOCK`: :func:`_xlac.step` of ``device``, or
+    :func:`_xlac.sync_only` of ``tensors`` (their graph alone)."""
     held = SYNC_LOCK.hold()
     try:
-        _xlac.step(device)
-    finally:
-        SYNC_LOCK.release(held)
-
-
-def sync_only(tensors: Sequence[torch.Tensor]) -> None:
-    """:func:`_xlac.sync_only` of ``tensors`` under :data:`SYNC_LOCK`."""
-    held = SYNC_LOCK.hold()
-    try:
-        _xlac.sync_only(tensors)
+        if tensors is None:
+            _xlac.step(device)
+        else:
+            _xlac.sync_only(tensors)
     finally:
         SYNC_LOCK.release(held)
 
@@ -508,6 +503,7 @@ _DOWNCASTS = {
 
 
 _set_up = False
+_cpu_threads = False  # (XLA:CPU replica threads: set up once per process)
 
 
 def _set_up_process(device: torch.device) -> None:
@@ -519,7 +515,7 @@ def _set_up_process(device: torch.device) -> None:
     Then, on XLA:CPU replica threads, makes ``torch_xla.sync`` xcoll's
     (:func:`own_sync`) and each traced scalar data of its own
     (:func:`_xlac.scalar_data_unshared`). Once per process."""
-    global _set_up
+    global _set_up, _cpu_threads
     if _set_up:
         return
     hint = launch_hint(xla_leaves=True)
@@ -551,7 +547,7 @@ def _set_up_process(device: torch.device) -> None:
     if cpu:
         torch_xla.sync = own_sync
         _xlac.scalar_data_unshared()
-    _set_up = True
+    _set_up, _cpu_threads = True, cpu
 
 
 def own_sync(wait: bool = False, reset_scope: bool = True) -> None:
@@ -585,7 +581,7 @@ class XlaTransport(Transport):
         self._rank = xr.global_ordinal()
         self._world = xr.world_size()
         self._narrowed = _narrowed(self.device)
-        self.replica_threads = xr.addressable_runtime_device_count() > 1 and self._world > 1
+        self.replica_threads = _cpu_threads
 
     def validate(self, flat) -> None:
         if not self._narrowed:
@@ -731,7 +727,7 @@ class XlaTransport(Transport):
     def exchange(self, buf: torch.Tensor) -> torch.Tensor:
         out = self.all_gather(buf)
         _xlac.reset_token(self.device)
-        sync_only([out])  # the graph of ``out`` alone, not everything pending
+        step(self.device, [out])  # the graph of ``out`` alone, not everything pending
         _xlac.wait_device(self.device)
         return self.to_host([out])[0].view(self.world_size(), -1)
 
@@ -747,14 +743,13 @@ def _ready(device: str) -> list:
     run their call), in the order of their calls, taken from the list."""
     with _DEFERRED_LOCK:
         waiting = _deferred.pop(device, [])
-        headers = [v.header for v in waiting]
-        if _xlac.data_handles(headers) is not None:  # (one call where all are)
+        if _xlac.data_handles([v.header for v in waiting]) is not None:  # (one call: all are)
             return waiting
-        ready = [v for v in waiting if _xlac.data_handle(v.header) is not None]
-        rest = [v for v in waiting if _xlac.data_handle(v.header) is None]
+        data = [_xlac.data_handle(v.header) is not None for v in waiting]
+        rest = [v for v, d in zip(waiting, data, strict=True) if not d]
         if rest:
             _deferred[device] = rest
-        return ready
+        return [v for v, d in zip(waiting, data, strict=True) if d]
 
 
 def _run_repeated(device: torch.device, tensors: Sequence[torch.Tensor]) -> None:
@@ -773,7 +768,7 @@ def _run_repeated(device: torch.device, tensors: Sequence[torch.Tensor]) -> None
             repeated.append(t)
         seen.add(id(t))
     if repeated:
-        sync_only(repeated)
+        step(device, repeated)
         _xlac.wait_device(device)
 
 
