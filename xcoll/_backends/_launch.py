@@ -72,7 +72,7 @@ def default_cpu_client() -> None:
     asynchronous client, thread-per-device replicas aborted training steps
     (:mod:`xcoll._backends.compile_lock`). The variable is read by XLA:CPU
     alone."""
-    if "PJRT_CPU_ASYNC_CLIENT" in os.environ:
+    if os.environ.get("PJRT_CPU_ASYNC_CLIENT") is not None:  # (the caller's choice)
         return
     if "torch_xla" in sys.modules:  # (else no runtime runs: torch_xla is not imported here)
         from . import _xlac
