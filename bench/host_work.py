@@ -1,9 +1,9 @@
-"""Host work per call on XLA, counted: Python-level function calls (``sys.setprofile``
-'call' and 'c_call' events) of one warm call on rank 0 of an XLA:CPU pool of 2
-replicas, small calls hosted (the default) and forced into the caller's program
-(``pack.SMALL = 0``), beside a plain ``xm.all_reduce`` with its sync and fetch.
-Deterministic, unlike wall time on a shared machine (gloo's counterpart:
-``../shared/tools/host_work.py``).
+"""Host work per call, counted: Python-level function calls (``sys.setprofile``
+'call' and 'c_call' events) of one warm call on rank 0 of a world of 2, on gloo
+and on XLA:CPU (small calls hosted, the default), each beside its plain engine
+call: ``dist.all_reduce``, and ``xm.all_reduce`` with its sync and fetch.
+Deterministic, unlike wall time on a shared machine (the least of three
+calls: see :func:`_counted`); ``tests/test_host_work.py`` asserts the counts.
 
     python -m bench.host_work
 """
@@ -11,47 +11,95 @@ Deterministic, unlike wall time on a shared machine (gloo's counterpart:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import xcoll
-from xcoll.testing import XlaPool
+from xcoll.testing import GlooPool, XlaPool
+
+#: The cells, in the order printed; the plain engine call's is "plain".
+CELLS = (
+    "reduce, 1 leaf",
+    "gather, 1 leaf",
+    "broadcast, 1 leaf",
+    "reduce, 3-leaf metrics",
+    "gather grad=True, 1 leaf",
+    "plain",
+)
 
 
-def _count(small: int) -> dict[str, int]:
+def _calls(dev: torch.device, plain: Callable[[torch.Tensor], Any]) -> dict[str, Callable]:
+    rank = xcoll.rank()
+    one = torch.tensor([1.5 + rank]).to(dev)
+    metrics = {
+        k: torch.tensor(v + rank).to(dev) for k, v in (("loss", 0.25), ("correct", 3.0), ("n", 8.0))
+    }
+    x = torch.randn(4, 3).to(dev).requires_grad_()
+    calls = (
+        lambda: xcoll.reduce(one),
+        lambda: xcoll.gather(one),
+        lambda: xcoll.broadcast(one, src=0),
+        lambda: xcoll.reduce(metrics),
+        lambda: xcoll.gather(x, grad=True),
+        lambda: plain(one),
+    )
+    return dict(zip(CELLS, calls, strict=True))
+
+
+def _plain_xla(one: torch.Tensor) -> Any:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from xcoll._encode import pack
+    out = xm.all_reduce(xm.REDUCE_SUM, one.clone(), pin_layout=False)
+    torch_xla.sync()  # (xcoll's own step on XLA:CPU replica threads, from its first call)
+    return torch_xla._XLAC._xla_get_cpu_tensors([out])
 
-    pack.SMALL = small
-    rank, dev = xcoll.rank(), torch_xla.device()
-    one = torch.tensor([1.5 + rank]).to(dev)
-    metrics = {k: torch.tensor(v + rank).to(dev) for k, v in (("loss", 0.25), ("correct", 3.0), ("n", 8.0))}
 
-    def plain():
-        out = xm.all_reduce(xm.REDUCE_SUM, one.clone(), pin_layout=False)
-        torch_xla.sync()  # (xcoll's own step on XLA:CPU replica threads, from its first call)
-        return torch_xla._XLAC._xla_get_cpu_tensors([out])
+def _plain_dist(one: torch.Tensor) -> Any:
+    import torch.distributed as dist
 
-    cells = {
-        "reduce, 1 leaf": lambda: xcoll.reduce(one),
-        "gather, 1 leaf": lambda: xcoll.gather(one),
-        "broadcast, 1 leaf": lambda: xcoll.broadcast(one, src=0),
-        "reduce, 3-leaf metrics": lambda: xcoll.reduce(metrics),
-        "plain xm.all_reduce + sync + fetch": plain,
-    }
+    return dist.all_reduce(one.clone())
+
+
+def count(_: Any = None) -> dict[str, int]:
+    """Rank 0's count per cell (the other ranks' calls are not counted), in
+    a replica of a gloo or an XLA pool."""
+    if xcoll.rank() == 0 and sys.getprofile() is not None:
+        raise RuntimeError("a profiler or debugger is attached: it would be counted")
+    if torch.device("cpu") == _device():
+        cells = _calls(torch.device("cpu"), _plain_dist)
+    else:
+        cells = _calls(_device(), _plain_xla)
     counts = {}
     for name, call in cells.items():
         for _ in range(5):
             call()
-        n = [0]
-        if rank == 0:
-            sys.setprofile(lambda frame, event, arg, n=n: _tick(n, event))
-        call()
-        sys.setprofile(None)
-        counts[name] = n[0]
+        counts[name] = min(_counted(call) for _ in range(3))
     return counts
+
+
+def _counted(call: Callable[[], Any]) -> int:
+    """One call's count. (The least of a few is the call's own: on XLA:CPU a
+    replica thread that finds the other holding the step lock waits for it,
+    and its wait is counted too.)"""
+    n = [0]
+    if xcoll.rank() == 0:
+        sys.setprofile(lambda frame, event, arg: _tick(n, event))
+    call()
+    sys.setprofile(None)
+    return n[0]
+
+
+def _device() -> torch.device:
+    from xcoll._backends import xla_runtime_running
+
+    if not xla_runtime_running():
+        return torch.device("cpu")
+    import torch_xla
+
+    return torch_xla.device()
 
 
 def _tick(n: list[int], event: str) -> None:
@@ -60,9 +108,17 @@ def _tick(n: list[int], event: str) -> None:
 
 
 def main() -> None:
-    for small, label in ((4096, "small calls hosted"), (0, "in the caller's program")):
-        with XlaPool(2) as pool:
-            print(label, pool.run(_count, [small, small])[0], flush=True)
+    results = {}
+    for engine, make in (("gloo", GlooPool), ("XLA:CPU", XlaPool)):
+        with make(2) as pool:
+            results[engine] = pool.run(count, [None, None])[0]
+    print(
+        f"{'Python-level calls of a warm call, rank 0, W=2':48s}"
+        + "".join(f"{e:>10s}" for e in results)
+    )
+    for cell in CELLS:
+        label = "the plain engine call" if cell == "plain" else cell
+        print(f"  {label:46s}" + "".join(f"{r[cell]:10d}" for r in results.values()), flush=True)
 
 
 if __name__ == "__main__":

@@ -193,12 +193,27 @@ class _CountFlattens:
         lambda t: xcoll.gather(t, max_size=4),
         lambda t: xcoll.reduce(t, {"a": "mean", "b": {"c": "max", "d": "sum"}}),
         lambda t: xcoll.broadcast(t, src=0),
+        lambda t: xcoll.gather(t, grad=True),
+        lambda t: xcoll.reduce(t, "mean", grad=True),
+        lambda t: xcoll.broadcast(t, src=0, grad=True),
+        lambda t: xcoll.gather(t, max_size=4, grad=True),
     ],
-    ids=["gather", "uneven", "max_size", "reduce", "broadcast"],
+    ids=[
+        "gather",
+        "uneven",
+        "max_size",
+        "reduce",
+        "broadcast",
+        "gather-grad",
+        "reduce-grad",
+        "broadcast-grad",
+        "max_size-grad",
+    ],
 )
 def test_each_call_flattens_its_tree_once(monkeypatch, call, mode):
-    # the first call plans (and describes) the tree, the second finds the plan cached
-    tree = {"a": torch.ones(3), "b": {"c": torch.ones(2, 2), "d": 2.5}}
+    # the first call plans (and describes) the tree, the second finds the plan
+    # cached; grad=True included (its forward runs on the one flattened tree)
+    tree = {"a": torch.ones(3, requires_grad=True), "b": {"c": torch.ones(2, 2), "d": 2.5}}
     xcoll._core.call._plans._values.clear()
     counter = _CountFlattens(monkeypatch, tree)
     with xcoll.consistency_checks(mode):

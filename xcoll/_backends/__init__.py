@@ -12,12 +12,16 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist  # part of torch, imported with it
 
 from .._core.tree import Flat
 from ._launch import launch_hint, without_group
 from .base import LocalTransport, Transport
+from .dist import DistTransport
 
 __all__ = ["Transport", "current", "resolve", "xla_runtime_running"]
+
+_DIST_AVAILABLE = torch_dist.is_available()
 
 if sys.modules.get("torch_xla") is not None:
     # torch_xla came first: from now on 0-d values of 0 and 1 are traced as
@@ -38,9 +42,7 @@ def xla_runtime_running() -> bool:
 
 
 def _dist_running(group: Any) -> bool:
-    import torch.distributed as dist  # part of torch, imported with it
-
-    return group is not None or (dist.is_available() and dist.is_initialized())
+    return group is not None or (_DIST_AVAILABLE and torch_dist.group.WORLD is not None)
 
 
 def check_group(group: Any) -> None:
@@ -50,11 +52,9 @@ def check_group(group: Any) -> None:
     names it."""
     if group is None:
         return
-    import torch.distributed as dist  # part of torch, imported with it
-
-    if isinstance(group, getattr(dist, "ProcessGroup", ())):
+    if isinstance(group, getattr(torch_dist, "ProcessGroup", ())):
         return
-    member = getattr(dist, "GroupMember", None)
+    member = getattr(torch_dist, "GroupMember", None)
     if isinstance(group, int) and group == getattr(member, "NON_GROUP_MEMBER", None):
         return
     raise TypeError(
@@ -86,8 +86,6 @@ def current(group: Any = None) -> Transport:
 
         return xla.transport()
     if _dist_running(group):
-        from .dist import DistTransport
-
         return DistTransport(None, group)
     return _alone()
 
@@ -122,8 +120,6 @@ def resolve(flat: Flat, group: Any = None) -> Transport:
 
         transport = xla.transport(flat.devices[0])
     elif _dist_running(group):
-        from .dist import DistTransport
-
         transport = DistTransport(flat.devices[0], group)
     elif xla_runtime_running():
         # Treating them as a world of one would silently return W-times-smaller results.

@@ -8,7 +8,9 @@ keeps sums and products exact modulo 2**16, as the dtype wraps.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ _OPS = {
     "min": dist.ReduceOp.MIN,
 }
 _WIDER = {torch.int16: torch.int32}
+_CPU = torch.device("cpu")
 
 
 def _all_gather_single() -> Callable[..., Any]:
@@ -39,9 +42,42 @@ def _not_a_member(group: Any) -> bool:
     return isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
 
 
+@dataclass(frozen=True)
+class _Group:
+    """What a call reads of its process group, fixed for the group's life
+    (read once per group: torch's getters walk its registry on every call)."""
+
+    #: The group's name (one member per process, whatever the device), the
+    #: same on every member. Not the group object: held in a module-level
+    #: set, it outlived destroy_process_group, and its destructor at
+    #: interpreter exit aborted gloo processes ("terminate called without an
+    #: active exception": 5 runs in 12, 0 without it).
+    key: tuple[str, str]
+    world: int
+    rank: int
+    nccl: bool
+
+
+# process group -> its _Group (weakly: a group destroyed is forgotten)
+_groups: weakref.WeakKeyDictionary[Any, _Group] = weakref.WeakKeyDictionary()
+
+
+def _group(pg: Any) -> _Group:
+    g = _groups.get(pg)
+    if g is None:
+        g = _groups[pg] = _Group(
+            ("dist", pg.group_name),
+            dist.get_world_size(pg),
+            dist.get_rank(pg),
+            dist.get_backend(pg) == "nccl",
+        )
+    return g
+
+
 class DistTransport(Transport):
     def __init__(self, device: torch.device | None, group: Any = None):
-        if not dist.is_initialized():
+        pg = group if group is not None else dist.group.WORLD
+        if pg is None:
             raise RuntimeError("group= was given but torch.distributed is not initialised")
         if _not_a_member(group):
             raise ValueError(
@@ -49,33 +85,17 @@ class DistTransport(Transport):
                 f"to the processes it leaves out: this process (global rank {dist.get_rank()}) "
                 "is not a member of that group, and only its members may call on it"
             )
-        self.group = group
+        self.group, self.group_object = group, pg
+        g = _group(pg)
+        self.group_key, self._world, self._rank = g.key, g.world, g.rank
         if device is None:  # no tensor leaves: scalars go where this group's backend works
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if dist.get_backend(group) == "nccl"
-                else torch.device("cpu")
-            )
-        self.device = torch.device(device)
+            device = torch.device("cuda", torch.cuda.current_device()) if g.nccl else _CPU
+        self.device = device
         self._pending: list[Any] = []
         self._after: list[Callable[[], Any]] = []
 
-    @property
-    def group_key(self):
-        # The process group's name (one member per process, whatever the
-        # device), the same on every member. Not the group object: held in a
-        # module-level set, it outlived destroy_process_group, and its
-        # destructor at interpreter exit aborted gloo processes ("terminate
-        # called without an active exception": 5 runs in 12, 0 without it).
-        return ("dist", self.group_object.group_name)
-
-    @property
-    def group_object(self) -> Any:
-        # (WORLD is set: torch.distributed is initialised, __init__ checked)
-        return self.group if self.group is not None else dist.group.WORLD
-
     def rank(self) -> int:
-        return dist.get_rank(self.group)
+        return self._rank
 
     def rank_name(self, rank: int) -> str:
         if self.group is None:
@@ -83,7 +103,7 @@ class DistTransport(Transport):
         return f"rank {rank} of the group (global rank {dist.get_global_rank(self.group, rank)})"
 
     def world_size(self) -> int:
-        return dist.get_world_size(self.group)
+        return self._world
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         if buf.dtype in _WIDER:

@@ -193,8 +193,19 @@ class Packed(Op):
         self, plan: Plan, transport: Transport, guarded: bool, to_cpu: bool
     ) -> _recipe.Recipe:
         """``plan``'s recipe on ``transport`` (with the guard's header if
-        ``guarded``; outputs to the host if ``to_cpu``)."""
+        ``guarded``; outputs to the host if ``to_cpu``), kept on the plan."""
         w = transport.world_size()
+        # (everything the recipe reads beyond the plan: the engine's kind
+        # decides lazy and how a broadcast's header combines)
+        key = (type(transport), w, guarded, to_cpu, _TUNING.get().alone, self.src)
+        r = plan.recipes.get(key)
+        if r is None:  # (two threads may build it: setdefault keeps one)
+            r = plan.recipes.setdefault(key, self._recipe(plan, transport, w, guarded, to_cpu))
+        return r
+
+    def _recipe(
+        self, plan: Plan, transport: Transport, w: int, guarded: bool, to_cpu: bool
+    ) -> _recipe.Recipe:
         guard = None
         if guarded:
             dtype = plan.buckets[0].dtype if self.kind == "reduce" else torch.int32
@@ -206,7 +217,7 @@ class Packed(Op):
         # (a world of one whose outputs stay on a lazy engine's device runs its
         # one program: made of copies, it would trace one per leaf)
         identity = w == 1 and (to_cpu or not transport.lazy)
-        return _recipe.recipe(
+        return _recipe.build(
             plan, self.kind, w, guard, alone, self.src, self.stack, identity, transport.lazy
         )
 
@@ -424,49 +435,79 @@ def _prepare(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu:
     return _plans.get(op.key(flat, w), lambda: op.plan(flat, w))
 
 
+@dataclass
+class Prepared:
+    """A public call's tree flattened once, its backend resolved once and its
+    plan taken (or the call's own error, which :func:`called` shares with
+    every replica): what the call, and a differentiable call's forward, run."""
+
+    flat: _tree.Flat | None
+    transport: Transport
+    plan: Plan | None
+    error: Exception | None
+
+    def clear(self) -> None:
+        """Drops the tree and the error: the error's traceback holds the
+        frames that hold this, and an XLA tensor kept alive on one replica
+        (until a garbage collection frees the cycle) joins its next graph
+        (seen: XLA's abort after a caught error, the replicas' programs
+        differing)."""
+        self.flat = self.plan = self.error = None
+
+
+def prepare(op: Op, tree: Any, group: Any, sync: bool, to_cpu: bool) -> Prepared:
+    """``tree`` flattened, its backend resolved and ``op``'s plan taken; an
+    argument's error is kept for :func:`called` to raise on every replica."""
+    flat = transport = plan = error = None
+    try:
+        try:
+            flat = _tree.flatten(tree)
+            transport = _backends.resolve(flat, group)
+            plan = _prepare(op, flat, transport, sync, to_cpu)
+        except (TypeError, ValueError) as e:
+            error = e
+        if transport is None:  # the call's own error is the one to report
+            try:
+                transport = _backends.current(group)
+            except RuntimeError:
+                if error is None:
+                    raise
+                raise error from None
+        return Prepared(flat, transport, plan, error)
+    finally:
+        # The error's traceback holds this frame: cleared, the frame holds
+        # neither the error (a cycle that only a later garbage collection
+        # would free, on each replica at its own time) nor the tree's tensors.
+        error = flat = tree = plan = None  # noqa: F841
+
+
 def call(
     op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
 ) -> Any:
-    """A public call: ``tree`` flattened once, its backend resolved once, the
-    plan taken from the cache (or built, which validates), the consistency
-    check when due (a local error is shared with every replica), then run
-    with the guard (``_guard``) unless the mode is "never". ``tag``: the
-    call's own step tag (:mod:`xcoll._guard.steps`)."""
-    return called(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)[0]
+    """A public call without ``grad`` (:func:`xcoll._core.grad.call` runs
+    every public call): ``tree`` flattened once, its backend resolved once,
+    the plan taken from the cache (or built, which validates), the
+    consistency check when due (a local error is shared with every replica),
+    then run with the guard (``_guard``) unless the mode is "never". ``tag``:
+    the call's own step tag (:mod:`xcoll._guard.steps`)."""
+    return called(op, prepare(op, tree, group, sync, to_cpu), sync=sync, to_cpu=to_cpu, tag=tag)[0]
 
 
 def called(
-    op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
+    op: Op, p: Prepared, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
 ) -> tuple[Any, Any, _guard.Signature | None]:
-    """:func:`call`, what a backward needs of it (:meth:`Op.apply`), and its
-    guard's signature (whose tag and number its backward is named by)."""
-    flat = transport = plan = error = None
+    """The call ``p`` was prepared for: its output tree, what a backward
+    needs of it (:meth:`Op.apply`), and its guard's signature (whose tag and
+    number its backward is named by)."""
+    description = None if p.plan is None else p.plan.description
     try:
-        flat = _tree.flatten(tree)
-        transport = _backends.resolve(flat, group)
-        plan = _prepare(op, flat, transport, sync, to_cpu)
-    except (TypeError, ValueError) as e:
-        error = e
-    if transport is None:  # the call's own error is the one to report
-        try:
-            transport = _backends.current(group)
-        except RuntimeError:
-            if error is None:
-                raise
-            raise error from None
-    head = op.head(sync, to_cpu)
-    description = None if plan is None else plan.description
-    try:
-        with _guard.entered(transport, op.name, head, description, error, tag=tag) as sig:
-            assert flat is not None and plan is not None  # (else entered raised the error)
-            return (*op.apply(flat, transport, plan, sync, to_cpu, sig), sig)
+        with _guard.entered(
+            p.transport, op.name, op.head(sync, to_cpu), description, p.error, tag=tag
+        ) as sig:
+            assert p.flat is not None and p.plan is not None  # (else entered raised the error)
+            return (*op.apply(p.flat, p.transport, p.plan, sync, to_cpu, sig), sig)
     finally:
-        # An error raised here has this frame in its traceback: cleared, the
-        # frame no longer holds the error (a cycle that only a later garbage
-        # collection would free), so the tree's tensors go with the exception.
-        # An XLA tensor kept alive on one replica joins its next graph, and the
-        # replicas' programs differ (seen: XLA's abort after a caught error).
-        error = flat = tree = plan = None  # noqa: F841
+        p.clear()
 
 
 def run(

@@ -23,6 +23,7 @@ returned, not raised, so that a caller whose protocol goes on can go on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from .._guard import guard as _guard
 from .._guard import watchdog as _watchdog
 from . import tree as _tree
 from .recipe import Recipe
+
+_UNRECORDED = contextlib.nullcontext()
 
 
 def execute(
@@ -55,7 +58,8 @@ def execute(
 
     Outputs never require grad and never alias the inputs; Python scalar
     leaves come back as Python values (a gather's, as lists)."""
-    with torch.no_grad():
+    # (copies of a leaf that requires grad would be recorded by autograd)
+    with torch.no_grad() if flat.grads else _UNRECORDED:
         if r.identity:
             out, agree = _identity(r, flat, transport, to_cpu), True
         elif r.hosted and sync:

@@ -41,7 +41,6 @@ from typing import Any
 import optree
 import torch
 
-from .. import _backends
 from .._backends.base import Transport
 from .._guard import guard as _guard
 from .._guard import steps as _steps
@@ -169,14 +168,13 @@ class _Differentiable(torch.autograd.Function):
     :class:`Backward` and the rule's take."""
 
     @staticmethod
-    def forward(ctx, op, tree, group, how, *tensors):
-        sync, to_cpu, tag = how
-        out, ctx.sizes, sig = _call.called(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
-        flat = _tree.flatten(tree)
+    def forward(ctx, op, p, how, *tensors):
+        sync, to_cpu, tag, ctx.group = how
+        flat, ctx.transport = p.flat, p.transport
+        out, ctx.sizes, sig = _call.called(op, p, sync=sync, to_cpu=to_cpu, tag=tag)
         key = (op.name, op.src, op.key(flat, 1))
         ctx.rule = _rules.get(key, Rule.of, op, flat)
-        ctx.transport = _backends.resolve(flat, group)
-        ctx.group, ctx.identity = group, _identity(sig)
+        ctx.identity = _identity(sig)
         return tuple(flat.treespec.flatten_up_to(out))
 
     @staticmethod
@@ -196,7 +194,7 @@ class _Differentiable(torch.autograd.Function):
         out = call(backward, tree, ctx.group, sync=alone, to_cpu=False, tag=ctx.identity)
         reduced = optree.tree_leaves(out, none_is_leaf=False)
         taken = dict(zip(rule.leaves, rule.take(reduced, ctx.transport, ctx.sizes), strict=True))
-        return (None,) * 4 + tuple(taken.get(i) for i in rule.tensors)
+        return (None,) * 3 + tuple(taken.get(i) for i in rule.tensors)
 
 
 def _identity(forward: _guard.Signature | None) -> _steps.Identity:
@@ -212,11 +210,13 @@ def _identity(forward: _guard.Signature | None) -> _steps.Identity:
 
 
 def call(op: _call.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: Any) -> Any:
-    """``op`` on ``tree`` as :func:`xcoll._core.call.call` runs it; with
-    ``op.grad``, its outputs differentiable."""
-    if not op.grad:
-        return _call.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
-    flat = _tree.flatten(tree)
-    tensors = [flat.leaves[i] for i in flat.tensors]
-    out = _Differentiable.apply(op, tree, group, (sync, to_cpu, tag), *tensors)
-    return flat.treespec.unflatten(out)
+    """A public call of ``op`` on ``tree`` (:func:`xcoll._core.call.call`):
+    with ``op.grad``, its outputs differentiable. The tree is flattened and
+    its backend resolved once either way."""
+    p = _call.prepare(op, tree, group, sync, to_cpu)
+    if not op.grad or p.error is not None:  # (an error is raised by the call, on every replica)
+        return _call.called(op, p, sync=sync, to_cpu=to_cpu, tag=tag)[0]
+    assert p.flat is not None
+    treespec, tensors = p.flat.treespec, [p.flat.leaves[i] for i in p.flat.tensors]
+    out = _Differentiable.apply(op, p, (sync, to_cpu, tag, group), *tensors)
+    return treespec.unflatten(out)

@@ -46,7 +46,8 @@ class Plan:
     means: tuple[tuple[tuple[int, int], ...], ...] = ()
     #: Reduce: per bucket, its all-reduce op.
     ops: tuple[str, ...] = ()
-    _recipes: dict = field(default_factory=dict, compare=False, repr=False)
+    #: Its recipes, by what else they depend on (:meth:`xcoll._core.call.Packed.recipe`).
+    recipes: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -119,27 +120,6 @@ class Recipe:
         return self.world if self.kind == "gather" else None
 
 
-def recipe(
-    plan: Plan,
-    kind: str,
-    world: int,
-    guard: Guard | None,
-    alone: int,
-    src: int,
-    stack: bool,
-    identity: bool = False,
-    lazy: bool = False,
-) -> Recipe:
-    """``plan``'s recipe (cached on it): with ``guard``'s header, and a move's
-    buckets of one tensor of ``alone`` bytes or more (0: none) travelling as
-    themselves; made of copies if ``identity``; on a ``lazy`` engine, hosted
-    if it is small."""
-    key = (kind, world, guard, alone, src, stack, identity, lazy)
-    if key not in plan._recipes:
-        plan._recipes[key] = _build(plan, kind, world, guard, alone, src, stack, identity, lazy)
-    return plan._recipes[key]
-
-
 def _nbytes(joined: _pack.Joined | None, buckets, ops, part_shapes) -> int:
     """The bytes that a lazy engine's collectives send, the header included:
     a move's joined buffer (nothing travels alone there), or a reduce's
@@ -160,7 +140,7 @@ def guard(kind: str, dtype: torch.dtype, how: str, world: int, lazy: bool) -> Gu
     return Guard(dtype, how, _guard.size(kind, dtype, how, world), when)
 
 
-def _build(
+def build(
     plan: Plan,
     kind: str,
     world: int,
@@ -171,6 +151,10 @@ def _build(
     identity: bool,
     lazy: bool,
 ) -> Recipe:
+    """``plan``'s recipe: with ``g``'s header, and a move's buckets of one
+    tensor of ``alone`` bytes or more (0: none) travelling as themselves;
+    made of copies if ``identity``; on a ``lazy`` engine, hosted if it is
+    small."""
     b = plan.buckets
     joined = kind != "reduce"
     live = [k for k, x in enumerate(b) if x.size or (g and k == 0 and not joined)]

@@ -52,7 +52,7 @@ class Flat:
     """A flattened tree: ``leaves[i]`` is a tensor or a Python scalar.
 
     ``signature`` holds what a call's plan depends on, one entry per leaf: a
-    tensor's ``(dtype, shape, device, layout)``, a Python scalar's type.
+    tensor's ``(dtype, shape, device, layout, requires_grad)``, a Python scalar's type.
     ``devices`` are the distinct devices of the tensor leaves, in order of
     appearance; ``scalars`` the indices of the Python scalar leaves,
     ``tensors`` those of the tensor leaves, ``zero_d`` those of the 0-d ones.
@@ -72,6 +72,8 @@ class Flat:
     scalars: tuple[int, ...]
     tensors: tuple[int, ...] = ()
     zero_d: tuple[int, ...] = ()
+    #: Whether a tensor leaf requires grad (whose copies autograd would record).
+    grads: bool = False
 
     @property
     def key(self) -> tuple:
@@ -125,10 +127,10 @@ def flatten(tree: Any) -> Flat:
             "levels, more than optree flattens"
         ) from None
     try:
-        # per leaf: (dtype, shape, device, layout) of a tensor, a scalar's type
+        # per leaf: (dtype, shape, device, layout, requires_grad) of a tensor, a scalar's type
         signature: tuple[Any, ...] = tuple(
             [
-                (leaf.dtype, leaf.shape, leaf.device, leaf.layout)
+                (leaf.dtype, leaf.shape, leaf.device, leaf.layout, leaf.requires_grad)
                 if isinstance(leaf, torch.Tensor)
                 else type(leaf)
                 for leaf in leaves
@@ -146,7 +148,8 @@ def flatten(tree: Any) -> Flat:
         devices = tuple(dict.fromkeys(s[2] for s in signature if isinstance(s, tuple)))
         tensors = tuple(i for i, s in enumerate(signature) if isinstance(s, tuple))
         zero_d = tuple(i for i in tensors if not signature[i][1])
-        return ints, devices, scalars, tensors, zero_d
+        grads = any(signature[i][4] for i in tensors)
+        return ints, devices, scalars, tensors, zero_d, grads
 
     known = _checked.get((treespec, signature), check)
     flat = Flat(tree, leaves, treespec, signature, *known[1:])

@@ -116,6 +116,8 @@ def due(transport: Transport, m: str) -> bool:
     to come)."""
     if m == "never":
         return False
+    if transport.group_key in _called:  # (a group's first call has been counted)
+        return m == "always"
     with _called_lock:
         first = transport.group_key not in _called
         _called.add(transport.group_key)

@@ -355,17 +355,16 @@ class entered:
                 tag, number, error = "", 0, error or e
             d = self.description or _check.Description(())
             signature = Signature(self.name, self.head, d, tag, number)
-            if t.world_size() > 1:
-                # (the rank is read here: on XLA it is per thread)
-                rank = t.rank_name(t.rank())
-                lazy = t.lazy
+            w = t.world_size()
+            if w > 1:
+                # (this thread's transport: on XLA the rank is per thread)
                 self.watch = _watchdog.watch(
-                    lambda seconds: diagnosis(rank, signature, seconds, lazy)
+                    lambda seconds: diagnosis(t.rank_name(t.rank()), signature, seconds, t.lazy)
                 )
                 self.watch.__enter__()
             # (beyond EXACT_SUMS replicas a guard header summed in 8-bit
             # integers could wrap: every call is then checked in full too)
-            full = t.world_size() > EXACT_SUMS
+            full = w > EXACT_SUMS
             if _check.due(t, mode) or (full and mode != "never"):
                 _check.verify(t, self.name, self.head, self.description, error, tag=tag)
             if error is not None:
@@ -378,8 +377,7 @@ class entered:
             # would hold the error (a cycle), and with it the call's tensors
             error = None  # noqa: F841
         # (a world of one has no other replica to disagree with: no header)
-        alone = t.world_size() == 1
-        return None if mode == "never" or alone else signature
+        return None if mode == "never" or w == 1 else signature
 
     def __exit__(
         self,
@@ -415,6 +413,7 @@ _busy_lock = threading.Lock()
 # engines' groups by key, for the life of the process.
 _unusable_groups: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _unusable_keys: dict[Hashable, str] = {}
+_marked = False  # whether a group was ever marked unusable in this process
 
 
 class exclusive:
@@ -486,6 +485,8 @@ class exclusive:
 
 
 def _unusable(t: Transport) -> str | None:
+    if not _marked:  # (no group ever marked: the usual case, no lookup)
+        return None
     group = t.group_object
     if group is not None:
         return _unusable_groups.get(group)
@@ -493,6 +494,8 @@ def _unusable(t: Transport) -> str | None:
 
 
 def _mark_unusable(t: Transport, why: str) -> None:
+    global _marked
+    _marked = True
     group = t.group_object
     if group is not None:
         _unusable_groups[group] = why

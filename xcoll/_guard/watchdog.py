@@ -21,7 +21,9 @@ from collections.abc import Callable
 #: Seconds a call waits before its diagnosis is printed (XLA aborts at 10).
 AFTER = 5.0
 
-_lock = threading.Condition()
+# (a plain lock, entered in C by every call; the watchdog thread waits on its condition)
+_lock = threading.Lock()
+_wakeup = threading.Condition(_lock)
 _watched: dict[int, tuple[float, Callable[[float], str]]] = {}
 _ids = itertools.count()
 _thread: threading.Thread | None = None
@@ -42,7 +44,7 @@ def _loop() -> None:
                         text = f"xcoll: a call has waited {AFTER:.0f} s ({e!r})"
                     print(text, file=sys.stderr, flush=True)
             _wake = min((d for d, _ in _watched.values()), default=now + 3600)
-            _lock.wait(_wake - now)
+            _wakeup.wait(_wake - now)
 
 
 class watch:
@@ -62,7 +64,7 @@ class watch:
             deadline = time.monotonic() + AFTER
             _watched[self.key] = (deadline, self.message)
             if deadline < _wake:
-                _lock.notify()
+                _wakeup.notify()
 
     def __exit__(self, *exc: object) -> None:
         with _lock:
