@@ -140,7 +140,7 @@ def build_wheel(dest: pathlib.Path) -> pathlib.Path:
 
     src = dest / "src"
     src.mkdir(parents=True)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "xcoll", src / "xcoll", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(

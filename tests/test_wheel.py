@@ -9,10 +9,12 @@ dependencies alone (and the test runner), they import that install."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
 
+import xcoll
 from tests.helpers import ROOT, run
 from tests.test_launchers import TORCHRUN_2, snippet
 
@@ -36,6 +38,24 @@ def test_the_wheel_holds_the_package_its_typing_marker_and_the_example(wheel):
     # numpy: torch's Tensor.numpy(), which xcoll's guard and object calls use,
     # needs it, and torch does not require it
     assert requires == ["numpy", "optree>=0.13", "torch>=2.9"], requires
+
+
+def test_the_wheel_carries_the_licence_and_the_version_the_changelog_names(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        licences = [n for n in names if ".dist-info/" in n and "LICENSE" in n.rsplit("/", 1)[-1]]
+        metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        texts = [z.read(n).decode() for n in licences]
+    assert (ROOT / "LICENSE").read_text() in texts, licences
+    assert "Apache License" in texts[0] and "License: Apache-2.0" in metadata
+    version = next(
+        line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Version:")
+    )
+    assert version == xcoll.__version__
+    # the changelog's newest released version is the package's
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    released = re.findall(r"^## (\d+\.\d+\.\d+) \(\d{4}-\d\d-\d\d\)$", changelog, re.M)
+    assert released and released[0] == xcoll.__version__, released[:2]
 
 
 # Every docstring example (they run in a world of one), then the calls of the

@@ -42,6 +42,8 @@ __all__ = [
     "ConcurrentCallError",
     "consistency_checks",
 ]
-__version__ = "0.1.0"
+#: The version (semantic: the API grows in minor versions while it is 0.x;
+#: CHANGELOG.md says what each one changed). pyproject.toml reads it from here.
+__version__ = "0.2.0"
 
 _default_cpu_client()  # (before any XLA runtime of this program starts: docs/launchers.md)
