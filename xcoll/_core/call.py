@@ -292,8 +292,8 @@ class Reduce(Packed):
     kind = "reduce"
 
     def key(self, flat, world):
-        # (the plan reads the tuning: a plan never outlives the value it was made with)
-        return ("reduce", _tree.prefix_key(self.op), self.grad, world, _TUNING.get(), flat.key)
+        # (the plan reads the tuning's widen: a plan never outlives the value it was made with)
+        return ("reduce", _tree.prefix_key(self.op), self.grad, world, _TUNING.get().widen, flat.key)
 
     def plan(self, flat, world):
         ops = _tree.broadcast_prefix(self.op, flat, "op")
