@@ -11,6 +11,7 @@ broadcast (one per dtype and op for a reduce), one sync.
 """
 
 from ._backends._launch import default_cpu_client as _default_cpu_client
+from ._collectives import ReduceOp as ReduceOp  # (for type annotations: reduce's op)
 from ._collectives import broadcast, gather, rank, reduce, sync, world_size
 from ._encode.codec import decode as decode_object
 from ._encode.codec import encode as encode_object

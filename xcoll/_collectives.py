@@ -7,7 +7,10 @@ Each is one :func:`xcoll._core.call.call` of its op (``_call``); uneven gathers 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, cast, overload
+
+import torch
 
 from . import _backends
 from ._core import call as _call
@@ -15,6 +18,9 @@ from ._core import grad as _grad
 from ._core import uneven as _uneven
 from ._guard import guard as _guard
 from ._guard import watchdog as _watchdog
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def _flags(**flags: Any) -> None:
@@ -26,6 +32,43 @@ def _flags(**flags: Any) -> None:
 
 
 _OPS_NAMED = " ".join(f'"{o}"' for o in _call.OPS)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=Mapping[Any, torch.Tensor])
+S = TypeVar("S", bound=Sequence[torch.Tensor])
+
+#: A reduction, by name.
+ReduceOp = Literal["sum", "mean", "max", "min", "prod"]
+#: ``reduce``'s ``op``: one reduction for every leaf, or a tree of them that is
+#: a prefix of the tree's structure (a dict, list or tuple of names or of such
+#: trees; a type checker reads its inner names as Any).
+OpTree = ReduceOp | Mapping[Any, Any] | list[Any] | tuple[Any, ...]
+
+
+class GatherOptions(TypedDict, total=False):
+    """:func:`gather`'s keyword arguments, for its typed overloads."""
+
+    dim: int
+    stack: bool
+    sync: bool
+    to_cpu: bool
+    uneven: bool
+    max_size: int | None
+    group: Any
+    tag: str | int | None
+    grad: bool
+
+
+@overload
+def gather(tree: torch.Tensor, **options: Unpack[GatherOptions]) -> torch.Tensor: ...
+@overload
+def gather(tree: float, **options: Unpack[GatherOptions]) -> list[Any]: ...
+@overload
+def gather(tree: M, **options: Unpack[GatherOptions]) -> M: ...
+@overload
+def gather(tree: S, **options: Unpack[GatherOptions]) -> S: ...
+@overload
+def gather(tree: Any, **options: Unpack[GatherOptions]) -> Any: ...
 
 
 def gather(
@@ -99,7 +142,10 @@ def gather(
     Returns:
         A tree of ``tree``'s structure: each tensor leaf gathered (new tensors
         on the leaves' device, or on the CPU with ``to_cpu``), each Python
-        scalar leaf a list of the ``W`` replicas' values in rank order.
+        scalar leaf a list of the ``W`` replicas' values in rank order. Type
+        checkers read a tensor for a tensor, the same mapping or sequence
+        type for a dict or list of tensors, a list for a Python scalar, and
+        Any for other trees.
 
     Raises:
         TypeError: a leaf that is not a tensor, bool, int or float (or a
@@ -137,15 +183,15 @@ def gather(
 
 
 def reduce(
-    tree: Any,
-    op: Any = "sum",
+    tree: T,
+    op: OpTree = "sum",
     *,
     sync: bool = True,
     to_cpu: bool = False,
     group: Any = None,
     tag: str | int | None = None,
     grad: bool = False,
-) -> Any:
+) -> T:
     """The elementwise reduction of every replica's leaves.
 
     Shapes, dtypes and devices are preserved. max/min propagate NaN; integer
@@ -165,7 +211,9 @@ def reduce(
         op: one of ``"sum" "mean" "max" "min" "prod"``, or an optree prefix tree
             of them (``{"loss": "mean", "count": "sum"}``). Refused: mean of
             integers or bools, sum of bools (use ``"max"`` for any, ``"min"``
-            for all, or sum ``x.int()`` to count).
+            for all, or sum ``x.int()`` to count). Type checkers read a name
+            as ``xcoll.ReduceOp`` (a misspelt one fails the check) and a tree
+            of names as a dict, list or tuple.
         sync: as in :func:`gather`.
         to_cpu: return CPU tensors, fetched in the call's one transfer (on XLA,
             with the guard's header: a metric read on the host costs no second
@@ -180,7 +228,7 @@ def reduce(
     Returns:
         A tree of ``tree``'s structure whose leaves are the reduced values (new
         tensors on the leaves' device, or on the CPU with ``to_cpu``; Python
-        scalars for Python scalar leaves).
+        scalars for Python scalar leaves): of ``tree``'s type.
 
     Raises:
         TypeError: an unsupported leaf (as in :func:`gather`), or an op its
@@ -215,11 +263,12 @@ def reduce(
             f"op must be one of {_OPS_NAMED}, or a prefix tree of them "
             '(e.g. {"loss": "mean", "n": "sum"}), got None'
         )
-    return _grad.call(_call.Reduce(op, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    out = _grad.call(_call.Reduce(op, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    return cast(T, out)  # (a tree of the input's structure and leaf types)
 
 
 def broadcast(
-    tree: Any,
+    tree: T,
     *,
     src: int = 0,
     sync: bool = True,
@@ -227,7 +276,7 @@ def broadcast(
     group: Any = None,
     tag: str | int | None = None,
     grad: bool = False,
-) -> Any:
+) -> T:
     """Replica ``src``'s leaves, bit for bit, on every replica.
 
     Values of the other replicas (NaN included) never reach the result; their
@@ -251,7 +300,7 @@ def broadcast(
     Returns:
         A tree of ``tree``'s structure with ``src``'s values (new tensors on
         the leaves' device, or on the CPU with ``to_cpu``; Python scalars for
-        Python scalar leaves).
+        Python scalar leaves): of ``tree``'s type.
 
     Raises:
         TypeError: an unsupported leaf (as in :func:`gather`), naming its
@@ -273,7 +322,8 @@ def broadcast(
     """
     _flags(sync=sync, to_cpu=to_cpu, grad=grad)
     op = _call.Broadcast(src, grad)
-    return _grad.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    out = _grad.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    return cast(T, out)  # (a tree of the input's structure and leaf types)
 
 
 def rank(group: Any = None) -> int:
