@@ -35,6 +35,9 @@ def test_demo_runs_from_the_wheel_and_matches_the_single_process_reference(
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "OK" in result.stdout
+    # its progress, as it goes, before the results
+    progress = [line for line in result.stdout.splitlines() if line.startswith("  ... ")]
+    assert len(progress) == 3 and progress[0] == "  ... starting 4 replicas", progress
     (source,) = re.findall(r"^  the loop: (.*)$", result.stdout, re.M)
     assert source.endswith(os.path.join("xcoll", "examples", "eval_loop.py")), source
     assert not source.startswith(str(Path(__file__).parents[1] / "xcoll")), source
@@ -44,6 +47,16 @@ def test_demo_runs_from_the_wheel_and_matches_the_single_process_reference(
         "compilations: 4 (the first call's consistency check, the small calls' all-gather, "
         "the full batches, the last, shorter batch)"
     ) in result.stdout, result.stdout
+
+
+def test_the_demos_options_say_what_they_set():
+    text = subprocess.run(
+        [sys.executable, "-m", "xcoll.demo", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
+    options = text.split("options:", 1)[1]
+    helps = re.split(r"\n  (?=--)", options)[1:]  # (one chunk per option after -h)
+    assert [h.split()[0] for h in helps] == ["--replicas", "--samples", "--batch"], text
+    assert all("(default: " in " ".join(h.split()) for h in helps), text
 
 
 @pytest.mark.parametrize("module", [xcoll, xcoll._collectives])

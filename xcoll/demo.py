@@ -41,11 +41,22 @@ def compiled_graphs(samples: int, replicas: int, batch: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument(
-        "--samples", type=int, default=1001, help="not a multiple of replicas or batch"
+        "--replicas",
+        type=int,
+        default=4,
+        help="XLA:CPU replicas, one thread each in one worker process (default: 4)",
     )
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=1001,
+        help="dataset size; the default is a multiple of neither the replicas nor the batch, "
+        "so the sampler pads and the last batch is shorter (default: 1001)",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=32, help="batch size per replica (default: 32)"
+    )
     args = parser.parse_args(argv)
     try:
         found = importlib.util.find_spec("torch_xla") is not None
@@ -58,18 +69,21 @@ def main(argv: list[str] | None = None) -> int:
             "without it: python -m xcoll.examples.eval_loop --help)"
         )
 
-    with XlaPool(args.replicas) as pool:
-        before = pool.run(xla_counters)[0]
-        results = pool.run(example.evaluate, [(args.samples, args.batch, "xla")] * args.replicas)
-        after = pool.run(xla_counters)[0]
-    r0, ref = results[0], example.reference(args.samples)
-    executions = (after["executions"] - before["executions"]) / args.replicas
-    same = all(torch.equal(r["preds"], r0["preds"]) and r["loss"] == r0["loss"] for r in results)
-
     print(
         f"xcoll demo: eval loop on {args.replicas} XLA:CPU replicas, "
         f"{args.samples} samples, batch {args.batch}"
     )
+    _progress(f"starting {args.replicas} replicas")
+    with XlaPool(args.replicas) as pool:
+        before = pool.run(xla_counters)[0]
+        _progress("replicas started; running the eval loop on each (compiles its programs first)")
+        results = pool.run(example.evaluate, [(args.samples, args.batch, "xla")] * args.replicas)
+        after = pool.run(xla_counters)[0]
+    _progress("eval loop done; evaluating the same model in one process")
+    r0, ref = results[0], example.reference(args.samples)
+    executions = (after["executions"] - before["executions"]) / args.replicas
+    same = all(torch.equal(r["preds"], r0["preds"]) and r["loss"] == r0["loss"] for r in results)
+
     print(f"  the loop: {example.__file__}")
     print(
         f"  predictions: {len(r0['preds'])} in dataset order, each sample once "
@@ -98,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("  OK" if ok else "  MISMATCH")
     return 0 if ok else 1
+
+
+def _progress(text: str) -> None:
+    """A progress line, printed at once (a pipe would hold it until the end)."""
+    print(f"  ... {text}", flush=True)
 
 
 if __name__ == "__main__":
