@@ -292,7 +292,9 @@ def causes(lazy: bool) -> str:
         found.append(
             "the replicas' programs differ: work pending before the call traced from a "
             "per-replica Python value (a factor 0 or 1, as in x * rank, is a constant on that "
-            "replica alone), a data-dependent shape, or a torch_xla.sync() or .item() of "
+            "replica alone), a data-dependent shape, pending tensors that only a reference "
+            "cycle keeps alive (a dropped metric object) on replicas whose garbage collector "
+            "has not run yet, or a torch_xla.sync() or .item() of "
             "pending collectives outside xcoll.sync() (README, 'On XLA: one program on every "
             "replica')"
         )

@@ -337,7 +337,10 @@ class XlaPool(_SpawnedPool):
     hint first: sync first), plain torch_xla collectives synced before
     xcoll's first call (the same race), and training steps under torch_xla's
     asynchronous CPU client (``env={"PJRT_CPU_ASYNC_CLIENT": "true"}``).
-    docs/launchers.md has the reasons.
+    docs/launchers.md has the reasons. Between runs the pool collects
+    garbage, with every replica idle: a run's reference cycles that hold
+    pending tensors (a dropped metric object) never join some replicas' next
+    steps and not others' (within a run, the README's "On XLA" rule holds).
 
     Args:
         world_size: the number of replicas, W.

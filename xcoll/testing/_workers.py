@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import os
 import queue
 import threading
@@ -58,6 +59,10 @@ def _xla_worker(conn: Connection, log: str, world_size: int, env: dict[str, str]
     if len(devices) != world_size:
         raise RuntimeError(f"expected {world_size} XLA devices, found {len(devices)}: {devices}")
     _xlac.warm_up_fallbacks(devices[0])
+    # What runs until here stays: frozen, the collections between calls below
+    # scan only what the calls make (a few objects, not the runtime's 400k).
+    gc.collect()
+    gc.freeze()
     inboxes: list[queue.Queue[Task | None]] = [queue.Queue() for _ in devices]
     outbox: queue.Queue[tuple[int, bool, Any]] = queue.Queue()
     for device, inbox in zip(devices, inboxes, strict=True):
@@ -74,6 +79,12 @@ def _xla_worker(conn: Connection, log: str, world_size: int, env: dict[str, str]
             except queue.Empty:
                 pass
         complete, ordered = results.finish()
+        # Every replica is idle: a call's garbage (objects in reference cycles,
+        # as torchmetrics' metrics are) goes now, on all of them at once. Left
+        # to the collector, it went on some replicas before their next step
+        # and not on others, and pending tensors it held joined the steps of
+        # those others only: their programs differed, and XLA aborted.
+        gc.collect()
         try:
             conn.send((complete, ordered))
         except Exception as e:  # an unpicklable result
