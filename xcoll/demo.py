@@ -39,7 +39,7 @@ def compiled_graphs(samples: int, replicas: int, batch: int) -> list[str]:
     return graphs
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--replicas",
@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch", type=int, default=32, help="batch size per replica (default: 32)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         found = importlib.util.find_spec("torch_xla") is not None
     except (ImportError, ValueError):  # (a module that stands in for it)
