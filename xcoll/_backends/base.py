@@ -186,10 +186,12 @@ class Transport(ABC):
         "a replica's first call on a group" is counted by)."""
         return (type(self).__name__, str(self.device))
 
-    #: The object whose lifetime is the group's, where the engine has one
-    #: (a torch.distributed process group); None: :attr:`group_key` names it
-    #: for the life of the process.
-    group_object: object = None
+    @property
+    def group_object(self) -> object:
+        """The object whose lifetime is the group's, where the engine has one
+        (a torch.distributed process group); None: :attr:`group_key` names it
+        for the life of the process."""
+        return None
 
     @abstractmethod
     def rank(self) -> int: ...

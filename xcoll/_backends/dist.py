@@ -85,7 +85,7 @@ class DistTransport(Transport):
                 f"to the processes it leaves out: this process (global rank {dist.get_rank()}) "
                 "is not a member of that group, and only its members may call on it"
             )
-        self.group, self.group_object = group, pg
+        self.group = group
         g = _group(pg)
         self.group_key, self._world, self._rank = g.key, g.world, g.rank
         if device is None:  # no tensor leaves: scalars go where this group's backend works
@@ -93,6 +93,13 @@ class DistTransport(Transport):
         self.device = device
         self._pending: list[Any] = []
         self._after: list[Callable[[], Any]] = []
+
+    @property
+    def group_object(self) -> Any:
+        # (not kept: a transport that outlived destroy_process_group, in a
+        # traceback or an autograd graph, would keep the group alive until the
+        # interpreter exits, where its destructor aborts gloo processes)
+        return self.group if self.group is not None else dist.group.WORLD
 
     def rank(self) -> int:
         return self._rank

@@ -48,7 +48,6 @@ class Hosted(Transport):
         self.engine = engine
         self.device = torch.device("cpu")
         self.broadcast_sums = engine.broadcast_sums
-        self.group_object = engine.group_object
         self._leaves = list(leaves)
         #: Per collective: its buffer, its result (filled by wait), how it
         #: combines ("gather", "broadcast" or a reduce's op), src, guard.
@@ -57,6 +56,10 @@ class Hosted(Transport):
     @property
     def group_key(self) -> Hashable:
         return self.engine.group_key
+
+    @property
+    def group_object(self) -> object:
+        return self.engine.group_object
 
     def rank(self) -> int:
         return self.engine.rank()
