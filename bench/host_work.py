@@ -68,10 +68,8 @@ def count(_: Any = None) -> dict[str, int]:
     a replica of a gloo or an XLA pool."""
     if xcoll.rank() == 0 and sys.getprofile() is not None:
         raise RuntimeError("a profiler or debugger is attached: it would be counted")
-    if torch.device("cpu") == _device():
-        cells = _calls(torch.device("cpu"), _plain_dist)
-    else:
-        cells = _calls(_device(), _plain_xla)
+    dev = _device()
+    cells = _calls(dev, _plain_dist if dev.type == "cpu" else _plain_xla)
     counts = {}
     for name, call in cells.items():
         for _ in range(5):
