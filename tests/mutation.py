@@ -80,7 +80,7 @@ MODULES: dict[str, list[str]] = {
 OWNERS: dict[str, list[str]] = {
     "tests/test_kernels.py": ["xcoll._backends.xla.*"],
     "tests/test_guard.py": ["xcoll._guard.guard.*", "xcoll._guard.check.*"],
-    # (_guard.size is cached: whichever test first asks for a size calls the rest)
+    # (_guard.own_size is cached: whichever test first asks for a size calls the rest)
     "tests/test_header.py": ["xcoll._guard.guard.*"],
     "tests/test_mismatch.py": ["xcoll._guard.guard.*", "xcoll._guard.check.*"],
     "tests/test_out_of_step.py": ["xcoll._guard.guard.*", "xcoll._guard.check.*"],

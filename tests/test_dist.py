@@ -66,9 +66,9 @@ def _alone(tree):
     """:func:`_with_accelerate` with every move's bucket of one tensor of 16
     bytes or more travelling alone (xcoll's threshold is 16 MiB), and no output
     sharing memory with an input."""
-    from xcoll._core import call as _call
+    from xcoll._core import ops as _ops
 
-    with _call.tuned(alone=16):
+    with _ops.tuned(alone=16):
         report = _with_accelerate(tree)
         mine = {t.untyped_storage().data_ptr() for t in optree.tree_leaves(tree)}
         # (a reduce encodes its own buffer in place: never the leaves)
@@ -105,7 +105,7 @@ def _count_calls(n_leaves, big=2, widen=None):
     ``big`` rows, the others of 2) with the process group's collectives
     wrapped (and ``Tuning.widen`` set to ``widen``, if given), and returns how
     often each was called."""
-    from xcoll._core import call as _call
+    from xcoll._core import ops as _ops
 
     xcoll.gather(xcoll.rank())  # a process's first call is checked in full: not counted here
     counts = dict.fromkeys(_COUNTED, 0)
@@ -129,7 +129,7 @@ def _count_calls(n_leaves, big=2, widen=None):
     for name in _COUNTED:
         setattr(dist, name, counting(name))
     try:
-        with _call.tuned(**({} if widen is None else {"widen": widen})):
+        with _ops.tuned(**({} if widen is None else {"widen": widen})):
             for what, fn in [
                 ("gather", lambda: xcoll.gather(tree)),
                 ("sum", lambda: xcoll.reduce(tree, "sum")),
@@ -183,7 +183,7 @@ def _wrapping(_):
     """Merged integer reduces against one torch.distributed all-reduce per
     leaf in its own dtype, with values whose sums and products wrap: ``(op,
     all-reduce calls merged, unmerged, every output equal bit for bit)``."""
-    from xcoll._core import call as _call
+    from xcoll._core import ops as _ops
 
     r = xcoll.rank()
     tree = {
@@ -208,13 +208,13 @@ def _wrapping(_):
         x = tree | (flags if op in ("max", "min") else {})
         expected = {k: per_leaf(t, op) for k, t in x.items()}
         got = []
-        for widen in (_call.Tuning().widen, 0):
+        for widen in (_ops.Tuning().widen, 0):
             dist.all_reduce = lambda *a, **k: (
                 calls.__setitem__(0, calls[0] + 1),
                 all_reduce(*a, **k),
             )[1]
             try:
-                with _call.tuned(widen=widen):
+                with _ops.tuned(widen=widen):
                     start = calls[0]
                     result = xcoll.reduce(x, op)
                     got.append(calls[0] - start)
@@ -240,7 +240,7 @@ def test_merged_integer_reduces_wrap_as_each_dtype_does(gloo):
     assert gloo.run(_wrapping, [None] * w) == [expected] * w
 
 
-# Integer dtypes in the order of xcoll._core.call._INTS: a merged bucket takes the
+# Integer dtypes in the order of xcoll._encode.wire.INTS: a merged bucket takes the
 # widest one present (the last), which holds every value of each one before it,
 # except uint8's in int8.
 _INT_ORDER = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
@@ -264,7 +264,7 @@ def _each_widest(_):
     merged and with Tuning.widen=0, against the fold over every rank's leaf in its own
     dtype (gloo has no int16 collective to compare with): ``(widest, op,
     all-reduce calls merged, equal, calls apart, equal)`` each."""
-    from xcoll._core import call as _call
+    from xcoll._core import ops as _ops
 
     r, w = xcoll.rank(), xcoll.world_size()
     fold = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
@@ -294,10 +294,10 @@ def _each_widest(_):
             }
             expected = {k: per_leaf(t.dtype, op) for k, t in tree.items()}
             got = [str(widest).removeprefix("torch."), op]
-            for widen in (_call.Tuning().widen, 0):
+            for widen in (_ops.Tuning().widen, 0):
                 dist.all_reduce = counted
                 try:
-                    with _call.tuned(widen=widen):
+                    with _ops.tuned(widen=widen):
                         start = calls[0]
                         result = xcoll.reduce(tree, op)
                         got.append(calls[0] - start)
@@ -340,9 +340,9 @@ def test_integers_too_large_to_widen_keep_their_own_collective(gloo):
 
 
 def _count_alone(_):
-    from xcoll._core import call as _call
+    from xcoll._core import ops as _ops
 
-    with _call.tuned(alone=1024):
+    with _ops.tuned(alone=1024):
         return _count_calls(3, big=256)
 
 

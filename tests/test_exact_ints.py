@@ -15,7 +15,7 @@ import torch
 import xcoll
 from tests.helpers import assert_trees, same_bits
 from tests.replicas import device, shared_pool, to_cpu, to_device
-from xcoll._core import call as _call
+from xcoll._core import ops as _ops
 from xcoll._core import tree as _tree_mod
 
 # W=2 and W=4 on gloo and on XLA:CPU, and a world of one
@@ -107,7 +107,7 @@ def test_the_limbs_travel_in_the_int64_bucket_the_int_tensors_merge_into():
     of every width (merged, as before) and each Python int as two limbs; a
     Python float takes one element, as any float does (a Python int against
     a float at one path: small calls meet in one size class, the guard names it)."""
-    plan = _call.Reduce("sum").plan(_tree_mod.flatten(_tree(0)), 4)
+    plan = _ops.Reduce("sum").plan(_tree_mod.flatten(_tree(0)), 4)
     ints, floats, f32 = plan.buckets
     assert [b.key for b in plan.buckets] == [
         (torch.int64, "sum"),
@@ -119,7 +119,7 @@ def test_the_limbs_travel_in_the_int64_bucket_the_int_tensors_merge_into():
     assert ints.exact == "sum" and [s.shape for s in ints.scalars] == [(2,)] * 6
     assert ints.size == 3 + 2 * 4 + 2 * 6 and ints.part_shapes[-1] == (12,)
     assert floats.size == 1 and f32.size == 2
-    assert _call.Reduce({"a": "max"}).plan(_tree_mod.flatten({"a": 5}), 4).buckets[0].size == 1
+    assert _ops.Reduce({"a": "max"}).plan(_tree_mod.flatten({"a": 5}), 4).buckets[0].size == 1
 
 
 # ---- an op tree: sums, products, max and min of Python ints in one call ---------

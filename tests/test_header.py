@@ -19,11 +19,14 @@ from hypothesis import example, given, settings
 import xcoll
 from tests.replicas import shared_pool
 from xcoll._backends.base import TORCH
+from xcoll._core import ops as _ops
 from xcoll._core import tree as _tree
 from xcoll._encode import wire as _wire
 from xcoll._guard import guard as _guard
 
 _REDUCED = sorted(_tree.SUPPORTED_DTYPES, key=str)  # every dtype a reduce takes
+#: Each collective's rules, which build its header (:class:`xcoll._core.ops.Packed`).
+_OP = {"gather": _ops.Gather(), "reduce": _ops.Reduce(), "broadcast": _ops.Broadcast()}
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
 
 
@@ -37,7 +40,7 @@ def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> l
     most replicas share one.)"""
     w = len(prints)
     distinct = list(dict.fromkeys(prints))
-    headers = {p: _guard._build(p, dtype, kind, how, w) for p in distinct}
+    headers = {p: _guard._build(p, dtype, _OP[kind], how, w) for p in distinct}
     if kind == "reduce":
         encoded = {p: _wire.encode_reduce(h.part.clone(), how, TORCH.bitcast) for p, h in headers.items()}
     else:
@@ -114,15 +117,15 @@ def test_a_reduce_header_has_one_size_per_width_and_is_small():
     for world in (1, 2, 4, 8, 255):
         for width in (1, 2, 4, 8):
             sizes = {
-                _guard.size("reduce", d, how, world)
+                _guard.alike_size(d, how, world)
                 for d in _REDUCED
                 if d.itemsize == width
                 for how in _ops(d)
                 if how != "prod"
             }
             assert len(sizes) == 1, (world, width, sizes)
-    assert _guard.size("reduce", torch.float32, "sum", 4) == 12
-    assert _guard.size("reduce", torch.int64, "max", 4) == 6
+    assert _guard.alike_size(torch.float32, "sum", 4) == 12
+    assert _guard.alike_size(torch.int64, "max", 4) == 6
     # each op's own values, before the padding to its width's size: k-bit
     # values as wide as the dtype holds exactly (sums: W (2**k - 1)**2 exactly)
     own = {
@@ -153,8 +156,8 @@ def test_a_sum_header_uses_the_most_bits_that_stay_exact():
             k = _guard._width(dtype, "sum", world)
             assert k == 1 or world * (2**k - 1) ** 2 <= exact, (dtype, world, k)
             assert world * (2 ** (k + 1) - 1) ** 2 > exact, (dtype, world, k)
-    assert _guard.size("gather", torch.int32, "", 4) == 2
-    assert _guard.size("broadcast", torch.int32, "", 4) == 2
+    assert _OP["gather"].header_size(torch.int32, "", 4) == 2
+    assert _OP["broadcast"].header_size(torch.int32, "", 4) == 2
 
 
 def _sent(_):
@@ -189,7 +192,7 @@ def test_a_small_guarded_reduce_sends_a_small_header(world):
 
     pool = shared_pool(world)
     w = pool.world_size
-    assert 1 + _guard.size("reduce", torch.float32, "sum", w) <= 16
+    assert 1 + _guard.alike_size(torch.float32, "sum", w) <= 16
     expected = sum(1.5 + r for r in range(w))
     sent = [([pack.SMALL // 4, 1], [expected, expected])] * w
     assert pool.run(_sent, [None] * w) == sent

@@ -131,7 +131,7 @@ def _reduced(dtype, op, wire_dtype, shape, seed):
 
 
 # The narrower dtypes whose leaves a reduce may merge into a bucket of the key's
-# dtype (xcoll._core.call.merged; float32 for sums and products only)
+# dtype (xcoll._core.ops.merged; float32 for sums and products only)
 _NARROWER = {
     torch.float32: [torch.float16, torch.bfloat16],
     torch.int64: [torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool],
@@ -471,7 +471,7 @@ def _merged_bucket(draw):
 @settings(deadline=None)
 @given(case=_merged_bucket())
 def test_torch_split_cuts_a_merged_bucket_and_casts_each_piece_back(case):
-    """A reduce's merged bucket (``xcoll._core.call.merged``): each leaf's piece of
+    """A reduce's merged bucket (``xcoll._core.ops.merged``): each leaf's piece of
     the wide result, cast back to its own dtype (rounded once, a NaN the quiet
     NaN: ``_wire.cast_back``), in order."""
     from xcoll._backends.base import TORCH

@@ -169,7 +169,7 @@ def test_a_reduce_larger_than_a_chunk_is_encoded_whole(op):
 
 # ---- merged reduce buckets ----------------------------------------------------
 
-# Integer dtypes, each after every dtype whose values it may hold (xcoll._core.call._INTS)
+# Integer dtypes, each after every dtype whose values it may hold (xcoll._encode.wire.INTS)
 _INTEGERS = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 _HALVES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -198,14 +198,14 @@ def test_a_merged_bucket_holds_every_value_of_its_leaves(op, leaves, widen):
     value of theirs (uint8 not in int8), up to Tuning.widen bytes of each dtype
     widened; half-precision sums and products with float32's, or with each
     other as float32; every other leaf in a bucket of its own dtype."""
-    from xcoll._core import call as _call
+    from xcoll._core import ops as _ops
     from xcoll._core import tree as _tree
 
     if op in ("sum", "prod"):  # (a bool's prod is its min, a sum of bools is refused)
         leaves = [(d, n) for d, n in leaves if d != torch.bool] or [(torch.int8, 1)]
     flat = _tree.flatten([torch.zeros(n, dtype=d) for d, n in leaves])
-    with _call.tuned(widen=widen):
-        got = _call.merged(flat, [(d, op) for d, _ in leaves])
+    with _ops.tuned(widen=widen):
+        got = _ops.merged(flat, [(d, op) for d, _ in leaves])
     present = {d for d, _ in leaves}
     ints = [d for d in _INTEGERS if d in present]
     widest = ints[-1] if ints else None

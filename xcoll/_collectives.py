@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, cast, overlo
 import torch
 
 from . import _backends
-from ._core import call as _call
 from ._core import grad as _grad
+from ._core import ops as _ops
 from ._core import uneven as _uneven
 from ._guard import guard as _guard
 from ._guard import watchdog as _watchdog
@@ -31,7 +31,7 @@ def _flags(**flags: Any) -> None:
             raise TypeError(f"{name} must be a bool (True or False), got {value!r:.80}")
 
 
-_OPS_NAMED = " ".join(f'"{o}"' for o in _call.OPS)
+_OPS_NAMED = " ".join(f'"{o}"' for o in _ops.OPS)
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Mapping[Any, torch.Tensor])
@@ -176,9 +176,9 @@ def gather(
     """
     _flags(stack=stack, sync=sync, to_cpu=to_cpu, uneven=uneven, grad=grad)
     if uneven or max_size is not None:
-        op: _call.Op = _uneven.UnevenGather(dim, max_size, stack, grad)
+        op: _ops.Op = _uneven.UnevenGather(dim, max_size, stack, grad)
     else:
-        op = _call.Gather(dim, stack, grad)
+        op = _ops.Gather(dim, stack, grad)
     return _grad.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
 
@@ -263,7 +263,7 @@ def reduce(
             f"op must be one of {_OPS_NAMED}, or a prefix tree of them "
             '(e.g. {"loss": "mean", "n": "sum"}), got None'
         )
-    out = _grad.call(_call.Reduce(op, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    out = _grad.call(_ops.Reduce(op, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
     return cast(T, out)  # (a tree of the input's structure and leaf types)
 
 
@@ -321,7 +321,7 @@ def broadcast(
     {'seed': 7, 'w': tensor([1., 1.])}
     """
     _flags(sync=sync, to_cpu=to_cpu, grad=grad)
-    op = _call.Broadcast(src, grad)
+    op = _ops.Broadcast(src, grad)
     out = _grad.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
     return cast(T, out)  # (a tree of the input's structure and leaf types)
 

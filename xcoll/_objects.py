@@ -16,6 +16,7 @@ from typing import Any
 from . import _backends
 from ._backends.base import Transport
 from ._core import call as _call
+from ._core import ops as _ops
 from ._encode import codec as _codec
 from ._encode import pack as _pack
 from ._guard import check as _check
@@ -129,7 +130,7 @@ def broadcast_object(
         size = -1 if data is None else len(data)
         # (a receiver's one-sided verdict, gloo's: src goes on to send its
         # data, so this replica receives it before raising)
-        op = _call.Broadcast(src)
+        op = _ops.Broadcast(src)
         size, agree = _call.outcome(op, size, transport, signature=signature)
         if size < 0:
             _raise_for([src], error, "broadcast_object")

@@ -26,6 +26,7 @@ import torch
 from . import _backends
 from ._backends.base import Transport
 from ._core import call as _call
+from ._core import ops as _ops
 from ._guard import check as _check
 from ._guard import guard as _guard
 
@@ -254,7 +255,7 @@ def _sync(
     # (Nothing pending: no execution.)
     transport.sync()
     state = _map_tensors(transport.upload, rng_state(generators))
-    synced = _call.run(_call.Broadcast(src), state, transport, signature=signature)
+    synced = _call.run(_ops.Broadcast(src), state, transport, signature=signature)
     leaves, spec = optree.tree_flatten(synced)
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     for i, host in zip(tensors, transport.to_host([leaves[i] for i in tensors]), strict=True):

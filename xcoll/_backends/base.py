@@ -38,7 +38,7 @@ class Kernels:
     """Packing kernels in torch ops that every device lowers.
 
     ``parts`` are a bucket's tensors (any shape; a reduce's merged bucket
-    mixes dtypes, :func:`xcoll._core.call.merged`), ``shapes`` their shapes,
+    mixes dtypes, :func:`xcoll._core.ops.merged`), ``shapes`` their shapes,
     ``sizes`` a bucket's slot sizes (:attr:`xcoll._encode.pack.Bucket.sizes`).
     """
 

@@ -1,4 +1,5 @@
-"""The core layer: what a call does and runs. The ops and a call's steps
+"""The core layer: what a call does and runs. The collectives, one op
+object each (:mod:`~xcoll._core.ops`), a call's steps
 (:mod:`~xcoll._core.call`), plans and recipes (:mod:`~xcoll._core.recipe`), the
 executor (:mod:`~xcoll._core.execute`), uneven gathers
 (:mod:`~xcoll._core.uneven`), the tree: flattening, leaf kinds, paths

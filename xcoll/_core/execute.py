@@ -67,11 +67,7 @@ def execute(
         else:
             out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
     for i in flat.scalars:
-        block = out[i]
-        if r.kind == "gather":
-            out[i] = [_tree.to_python(v, flat.leaves[i]) for v in block]
-        elif isinstance(block, torch.Tensor):  # (else an exact int, read back already)
-            out[i] = _tree.to_python(block, flat.leaves[i])
+        out[i] = r.op.python(out[i], flat.leaves[i])
     return flat.unflatten(out), agree
 
 
@@ -88,12 +84,9 @@ def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
         op = r.ops[k] if r.ops else ""
         for leaf, shape in zip(b.tensor_leaves, r.shapes[k], strict=False):
             t = _encoded_and_back(out[leaf], op)
-            out[leaf] = _finish(r, leaf, t if t.shape == shape else t.reshape(shape))
+            out[leaf] = r.op.finish(r, leaf, t if t.shape == shape else t.reshape(shape))
         for s in b.scalars:
-            value = flat.leaves[s.leaf]
-            out[s.leaf] = _encoded_and_back(
-                torch.tensor([value] if r.kind == "gather" else value, dtype=b.dtype), op
-            )
+            out[s.leaf] = _encoded_and_back(r.op.scalar(flat.leaves[s.leaf], b.dtype), op)
     return _empties(r, flat, out, to_cpu)
 
 
@@ -145,14 +138,14 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     mine = None
     if r.guard is not None:
         assert signature is not None
-        mine = signature.header(r.guard.dtype, r.kind, r.guard.how, r.world)
+        mine = signature.header(r.guard.dtype, r.op, r.guard.how, r.world)
     # (each stage's buffers are dropped once used: on XLA whatever is still
     # referenced at the sync becomes a graph output of its own)
     wires = _wires(r, flat, transport, signature, mine)
     results = _communicate(r, transport, wires, signature, mine)
     del wires
     late = _arrived(r, transport, results[0]) if r.guard and r.guard.when == "last" else None
-    flats, header = _decoded(r, transport, results, to_cpu)
+    flats, header = r.op.decoded(r, transport, results, to_cpu)
     del results
     pieces, header = _pieces(r, TORCH if to_cpu else transport.kernels, flats, header)
     del flats
@@ -195,44 +188,12 @@ def _exact_ints(flat, scalars, values: list[int], how: str, out: list[Any]) -> N
 
 
 def _wires(r: Recipe, flat, transport: Transport, signature, mine) -> list[torch.Tensor]:
-    """The buffers the call's collectives send: a move's joined buffer (the
-    header first) and its buckets that travel alone; a reduce's encoded
-    buckets (the header at bucket 0's front)."""
+    """The buffers the call's collectives send (:meth:`~xcoll._core.ops.Packed.wires`),
+    the header a part of its own."""
     leaves = transport.own_buffers(flat)
     parts = [_pack.parts(b, leaves, transport.upload) for b in r.buckets]
-    # the header: a part of its own (bucket 0's first, or a move's first segment)
-    head = [[signature.uploaded(transport, mine, r.kind)]] if mine is not None else []
-    kernels = transport.kernels
-    if r.kind == "reduce":
-        parts[0] = [*(head[0] if head else []), *parts[0]]
-        return kernels.encode_reduce(parts, r.part_shapes, [b.dtype for b in r.buckets], r.ops)
-    wires = []
-    if r.joined is not None:
-        wires.append(kernels.join(head + [parts[j] for j in r.joined.order], r.joined))
-    return wires + [_alone(r, transport, parts[j][0]) for j in r.alone]
-
-
-def _alone(r: Recipe, transport: Transport, leaf: torch.Tensor) -> torch.Tensor:
-    """The wire of a move's bucket that travels as itself (eager engines): the
-    leaf's bytes, which a gather only reads; a broadcast writes its buffer in
-    place: src's own copy (its output must not alias its input), a
-    receiver's empty buffer."""
-    if r.kind == "gather":
-        return _wire.encode_move(leaf.contiguous().reshape(-1), TORCH.bitcast)
-    if transport.rank() == r.src:
-        own = leaf.clone(memory_format=torch.contiguous_format)
-    else:
-        own = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
-    return _wire.encode_move(own.reshape(-1), TORCH.bitcast)  # (a view: contiguous)
-
-
-def _send(r: Recipe, transport: Transport, wire: torch.Tensor, k: int) -> torch.Tensor:
-    """Starts collective ``k`` of the call (the first carries the header)."""
-    if r.kind == "gather":
-        return transport.all_gather(wire)
-    if r.kind == "reduce":
-        return transport.all_reduce(wire, r.ops[k])
-    return transport.broadcast(wire, r.src, r.guard.size if r.guard and k == 0 else 0)
+    head = [[signature.uploaded(transport, mine, r.op)]] if mine is not None else []
+    return r.op.wires(r, transport, parts, head)
 
 
 def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> list[torch.Tensor]:
@@ -243,8 +204,8 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
         results = [_classed(r, transport, wires[0])]
         _check(transport, signature, _arrived(r, transport, results[0]), mine.wire)
     else:
-        results = [_send(r, transport, wires[0], 0)]
-    results += [_send(r, transport, w, k) for k, w in enumerate(wires[1:], 1)]
+        results = [r.op.send(transport, wires[0], 0, r)]
+    results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
     transport.wait()  # eager engines started every collective asynchronously
     return results
 
@@ -255,23 +216,21 @@ def _classed(r: Recipe, transport: Transport, wire: torch.Tensor) -> torch.Tenso
     bytes, its padding cut from the result (a gather's from each replica's row)."""
     n, size = wire.numel(), wire.element_size()
     if n * size > _pack.SMALL:  # (every element size divides it)
-        result = _send(r, transport, wire, 0)
+        result = r.op.send(transport, wire, 0, r)
         transport.wait()
         return result
     padded = wire.new_zeros(_pack.SMALL // size)
     padded[:n] = wire
-    result = _send(r, transport, padded, 0)
+    result = r.op.send(transport, padded, 0, r)
     transport.wait()
-    if r.kind == "gather":
-        return result.view(r.world, -1)[:, :n].reshape(-1)
-    return result[:n]
+    return result[:n] if r.rows == 1 else result.view(r.rows, -1)[:, :n].reshape(-1)
 
 
 def _arrived(r: Recipe, transport: Transport, result: torch.Tensor) -> bytes:
     """The header part of the first collective's result (eager engines),
     downloaded alone."""
     n = r.guard.size if r.guard else 0
-    first = result.view(r.world, -1).narrow(1, 0, n) if r.kind == "gather" else result[:n]
+    first = result[:n] if r.rows == 1 else result.view(r.rows, -1).narrow(1, 0, n)
     return _guard.as_bytes(transport.to_host([first])[0])
 
 
@@ -281,54 +240,13 @@ def _check(transport: Transport, signature, got: bytes, expected: bytes) -> None
         _guard.fire(transport, signature)
 
 
-def _decoded(r: Recipe, transport: Transport, results, to_cpu: bool):
-    """Each live bucket's 1-d buffer, decoded, and a move's header piece (None
-    for a reduce's, which is still bucket 0's first part): on the engine's
-    device (one computation on XLA), or with ``to_cpu`` on the host, after one
-    transfer. A reduce's results are fetched as they arrived; a move's are cut
-    into segments on the device first (on the host, a gather's slot-major
-    copies cost more than the computation), in their integer wire form: a
-    device's download of floats may change NaN payloads."""
-    if r.kind == "reduce":
-        kernels = transport.kernels
-        if to_cpu:
-            results, kernels = transport.sync_and_fetch(results), TORCH
-        dtypes = [b.dtype for b in r.buckets]
-        return kernels.decode_reduce(results, dtypes, list(r.ops), list(r.means), r.world), None
-    flats, header = _unjoin(r, transport.kernels, results, wire=to_cpu)
-    if not to_cpu:
-        return flats, header
-    fetched = transport.sync_and_fetch(flats + ([header] if header is not None else []))
-    header = fetched.pop() if header is not None else None
-    dtypes = [b.dtype for b in r.buckets]
-    return [_wire.decode_move(f, d, TORCH.bitcast) for f, d in zip(fetched, dtypes, strict=True)], header
-
-
 def _pieces(r: Recipe, kernels: Kernels, flats, header):
     """Each live bucket's output pieces, cut by ``kernels``; and the header's
     piece if it is still to be read (lazy engines)."""
     pieces = kernels.split(flats, r.shapes, r.casts) if flats else []
-    if r.guard is not None and r.kind == "reduce":  # the header's piece of bucket 0
+    if r.header_in_bucket:  # the header's piece of bucket 0
         header = pieces[0].pop(0)
     return pieces, header if r.guard is not None and r.guard.when == "outputs" else None
-
-
-def _unjoin(r: Recipe, kernels: Kernels, results, wire: bool):
-    """Each live bucket's 1-d buffer of a move (in the integer ``wire`` form,
-    or decoded), and its header piece (or None): the joined buffer's first,
-    then those of the buckets that travel alone (a gather's result of one
-    slot is slot-major already)."""
-    flats: list[Any] = [None] * len(r.buckets)
-    header = None
-    results = list(results)
-    if r.joined is not None:
-        segments = kernels.unjoin(results.pop(0), r.joined, r.gathered, wire)
-        header = segments.pop(0) if r.guard is not None else None
-        for j, seg in zip(r.joined.order, segments, strict=True):
-            flats[j] = seg
-    for j, got in zip(r.alone, results, strict=True):
-        flats[j] = got if wire else _wire.decode_move(got, r.buckets[j].dtype, kernels.bitcast)
-    return flats, header
 
 
 def _place(r: Recipe, pieces, out: list[Any]) -> list[torch.Tensor]:
@@ -340,7 +258,7 @@ def _place(r: Recipe, pieces, out: list[Any]) -> list[torch.Tensor]:
             out[leaf] = t
     for leaf in r.moved:
         if out[leaf] is not None:  # (an empty leaf's is placed moved already)
-            out[leaf] = _finish(r, leaf, out[leaf])
+            out[leaf] = r.op.finish(r, leaf, out[leaf])
     return [p[-1] for b, p in zip(r.buckets, pieces, strict=True) if b.scalars]
 
 
@@ -348,21 +266,8 @@ def _empties(r: Recipe, flat, out: list[Any], to_cpu: bool) -> list[Any]:
     """The outputs of the tensor leaves without elements (nothing was sent)."""
     for leaf, shape, dtype in r.empties:
         device = "cpu" if to_cpu else flat.leaves[leaf].device
-        out[leaf] = _finish(r, leaf, torch.empty(shape, dtype=dtype, device=device))
+        out[leaf] = r.op.finish(r, leaf, torch.empty(shape, dtype=dtype, device=device))
     return out
-
-
-def _finish(r: Recipe, leaf: int, t: torch.Tensor) -> torch.Tensor:
-    """A gathered leaf whose replica axis moves: ``(W, *shape)`` to
-    ``(*shape[:d], W, *shape[d:])``, concatenated unless it stacks."""
-    d = r.moved.get(leaf)
-    if not d:
-        return t
-    t = t.movedim(0, d)
-    if r.stack:
-        return t
-    pre = t.shape
-    return t.reshape(*pre[:d], r.world * pre[d + 1], *pre[d + 2 :])
 
 
 def _materialise(

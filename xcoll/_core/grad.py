@@ -11,7 +11,7 @@ gradients:
   gradient and a take of the own slice: no engine here offers a
   reduce-scatter of packed buffers);
 * reduce: sum, the all-reduce sum of the output gradients; mean, their mean
-  (the sum divided by W). Other ops raise (:class:`xcoll._core.call.Reduce`);
+  (the sum divided by W). Other ops raise (:class:`xcoll._core.ops.Reduce`);
 * broadcast: the sum of the output gradients on ``src``, zeros elsewhere;
 * an uneven gather: as a gather, its own rows found by the sizes that its
   forward exchanged (its backward's collective runs on its own, after the
@@ -41,17 +41,16 @@ from typing import Any
 import optree
 import torch
 
-from .._backends.base import Transport
 from .._guard import guard as _guard
 from .._guard import steps as _steps
 from . import call as _call
 from . import memo as _memo
+from . import ops as _ops
 from . import tree as _tree
-from . import uneven as _uneven
 
 
 @dataclass(frozen=True)
-class Backward(_call.Reduce):
+class Backward(_ops.Reduce):
     """The backward of a differentiable call: the all-reduce of its output
     gradients, with the op of each leaf's (sum; mean where a reduce took the
     mean), named after the forward, whose ``tag`` it carries."""
@@ -66,10 +65,11 @@ class Backward(_call.Reduce):
 @dataclass(frozen=True)
 class Rule:
     """How a differentiable call's gradients flow back, for one op and
-    signature."""
+    signature: which leaves travel, and the op's own rule
+    (:meth:`xcoll._core.ops.Op.backward_ops`, :meth:`~xcoll._core.ops.Op.take`)."""
 
-    #: "gather", "reduce", "broadcast" or "uneven".
-    kind: str
+    #: The forward's op (of its fields, only those its rule's key holds).
+    op: _ops.Op
     #: The forward's tensor leaves, in order; and those whose gradients travel
     #: (floating ones), with their shapes.
     tensors: tuple[int, ...]
@@ -79,88 +79,24 @@ class Rule:
     #: leaves that do not travel).
     treespec: optree.PyTreeSpec
     backward: Backward
-    #: Gather: per travelling leaf, the output dim that holds the replicas
-    #: and the leaf's extent along it (1 where it stacks, or is 0-d); an
-    #: uneven gather: its growing dim and its column in the forward's sizes.
+    #: What the op's take reads of each travelling leaf (:meth:`xcoll._core.ops.Op.backward_dims`).
     dims: tuple[tuple[int, int], ...] = ()
-    #: Broadcast: its source rank.
-    src: int = 0
 
     @staticmethod
-    def of(op: _call.Op, flat: _tree.Flat) -> Rule:
+    def of(op: _ops.Op, flat: _tree.Flat) -> Rule:
         leaves = tuple(i for i in flat.tensors if flat.leaves[i].dtype.is_floating_point)
-        ops = _tree.broadcast_prefix(op.op, flat, "op") if isinstance(op, _call.Reduce) else None
-        backward_ops: list[Any] = [None] * len(flat.leaves)
-        for i in leaves:
-            backward_ops[i] = ops[i] if ops else "sum"
-        dims: tuple[tuple[int, int], ...] = ()
-        if isinstance(op, _call.Gather):
-            dims = tuple(_gathered_dim(op, flat, i) for i in leaves)
-        if isinstance(op, _uneven.UnevenGather):
-            growing = _uneven.growing_dims(flat, op.dim)
-            columns = {i: k for k, i in enumerate(sorted(growing))}
-            dims = tuple((growing[i], columns[i]) for i in leaves)
         return Rule(
-            kind=op.kind,
+            op=op,
             tensors=flat.tensors,
             leaves=leaves,
             shapes=tuple(tuple(flat.leaves[i].shape) for i in leaves),
             treespec=flat.treespec,
-            backward=Backward(flat.unflatten(backward_ops), of=op.name),
-            dims=dims,
-            src=op.src,
+            backward=Backward(flat.unflatten(op.backward_ops(flat, leaves)), of=op.name),
+            dims=op.backward_dims(flat, leaves),
         )
-
-    def take(
-        self, reduced: list[torch.Tensor], transport: Transport, sizes: Any
-    ) -> list[torch.Tensor]:
-        """Each travelling leaf's input gradient, from its all-reduced output
-        gradient (``sizes``: an uneven gather's, as its forward exchanged them)."""
-        if self.kind == "reduce":
-            return reduced
-        if self.kind == "uneven":  # (the replicas' shapes differ: rows by their own sizes)
-            r = transport.rank()
-            return [
-                g.narrow(d, int(sizes[:r, k].sum()), int(sizes[r, k])).clone(
-                    memory_format=torch.contiguous_format
-                )
-                for g, (d, k) in zip(reduced, self.dims, strict=True)
-            ]
-        if self.kind == "broadcast":
-            mask = _mask(transport, transport.rank() == self.src)
-            return [transport.kernels.keep(g, mask) for g in reduced]
-        return [
-            g.index_select(d, _rows(transport, n)).reshape(shape)
-            for g, (d, n), shape in zip(reduced, self.dims, self.shapes, strict=True)
-        ]
-
-
-def _gathered_dim(op: _call.Gather, flat: _tree.Flat, i: int) -> tuple[int, int]:
-    leaf = flat.leaves[i]
-    if leaf.dim() == 0:
-        return 0, 1
-    d = op._dim(flat, i)
-    return d, 1 if op.stack else leaf.shape[d]
 
 
 _rules: _memo.Memo[Rule] = _memo.Memo()
-
-# (device, rank, n) -> this replica's rows of a gathered leaf of n rows, and
-# (device, whether it is src) -> the broadcast's (1,) mask: uploaded data, 1-d
-# (torch_xla shares 0-d uploads with equal values), so that on XLA every
-# replica traces one program.
-_uploads: _memo.Memo[torch.Tensor] = _memo.Memo(locked=True)
-
-
-def _rows(transport: Transport, n: int) -> torch.Tensor:
-    r = transport.rank()
-    key = (str(transport.device), r, n)
-    return _uploads.get(key, lambda: transport.upload(torch.arange(r * n, (r + 1) * n)))
-
-
-def _mask(transport: Transport, keep: bool) -> torch.Tensor:
-    key = (str(transport.device), keep)
-    return _uploads.get(key, lambda: transport.upload(torch.tensor([keep])))
 
 
 class _Differentiable(torch.autograd.Function):
@@ -188,12 +124,13 @@ class _Differentiable(torch.autograd.Function):
         backward = dataclasses.replace(rule.backward, grad=torch.is_grad_enabled())
         # An uneven gather's collective runs on its own, after the pending work
         # (whose shapes differ between replicas), as its forward's does.
-        alone = rule.kind == "uneven"
+        alone = rule.op.alone_backward
         if alone:
             ctx.transport.sync()
         out = call(backward, tree, ctx.group, sync=alone, to_cpu=False, tag=ctx.identity)
         reduced = optree.tree_leaves(out, none_is_leaf=False)
-        taken = dict(zip(rule.leaves, rule.take(reduced, ctx.transport, ctx.sizes), strict=True))
+        took = rule.op.take(reduced, rule.dims, rule.shapes, ctx.transport, ctx.sizes)
+        taken = dict(zip(rule.leaves, took, strict=True))
         return (None,) * 3 + tuple(taken.get(i) for i in rule.tensors)
 
 
@@ -209,7 +146,7 @@ def _identity(forward: _guard.Signature | None) -> _steps.Identity:
     return _steps.Identity(f"backward of {forward.tag or f'call {forward.number}'}")
 
 
-def call(op: _call.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: Any) -> Any:
+def call(op: _ops.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: Any) -> Any:
     """A public call of ``op`` on ``tree`` (:func:`xcoll._core.call.call`):
     with ``op.grad``, its outputs differentiable. The tree is flattened and
     its backend resolved once either way."""

@@ -16,7 +16,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -46,7 +46,7 @@ class Plan:
     means: tuple[tuple[tuple[int, int], ...], ...] = ()
     #: Reduce: per bucket, its all-reduce op.
     ops: tuple[str, ...] = ()
-    #: Its recipes, by what else they depend on (:meth:`xcoll._core.call.Packed.recipe`).
+    #: Its recipes, by what else they depend on (:meth:`xcoll._core.ops.Packed.recipe`).
     recipes: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -55,7 +55,7 @@ class Guard:
     """A call's guard header (:mod:`xcoll._guard.guard`)."""
 
     dtype: torch.dtype
-    #: How the collective combines it (:func:`xcoll._guard.guard.size`).
+    #: How the collective combines it (:func:`xcoll._guard.guard.own_size`).
     how: str
     size: int
     #: When the verdict is read: "first" (eager engines: the first
@@ -65,16 +65,41 @@ class Guard:
     when: str
 
 
+class Collective(_guard.Rules, Protocol):
+    """What :func:`build` and :mod:`xcoll._core.execute` read of a collective
+    (:class:`xcoll._core.ops.Packed`: its rules, one method each)."""
+
+    src: int
+    joins: bool
+
+    def one_sided(self, how: str) -> bool: ...
+
+    def rows(self, world: int) -> int: ...
+
+    def send(self, transport: Any, wire: torch.Tensor, k: int, r: Recipe) -> torch.Tensor: ...
+
+    def wires(self, r: Recipe, transport: Any, parts: list, head: list) -> list[torch.Tensor]: ...
+
+    def decoded(self, r: Recipe, transport: Any, results: list, to_cpu: bool) -> tuple[list, Any]: ...
+
+    def scalar(self, value: Any, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def python(self, block: Any, leaf: Any) -> Any: ...
+
+    def finish(self, r: Recipe, leaf: int, t: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Everything :func:`xcoll._core.execute.execute` does, per live bucket (those
     that travel: with elements, or carrying the header)."""
 
-    #: "gather", "reduce" or "broadcast".
-    kind: str
+    #: The collective whose rules the executor reads (of its fields, only
+    #: those that the recipe's key holds: a gather's stack, a broadcast's src).
+    op: Collective
     world: int
-    #: A broadcast's source rank.
-    src: int
+    #: The rows of each collective's result (W for a gather, else 1).
+    rows: int
     buckets: tuple[_pack.Bucket, ...]
     #: Reduce: each bucket's all-reduce op.
     ops: tuple[str, ...]
@@ -84,6 +109,8 @@ class Recipe:
     shapes: tuple[Shapes, ...]
     casts: tuple[tuple[torch.dtype | None, ...], ...]
     means: tuple[tuple[tuple[int, int], ...], ...]
+    #: Whether the header is bucket 0's first part and piece (a reduce's).
+    header_in_bucket: bool
     #: A move's buckets as one buffer, the header first (None: a reduce, or
     #: nothing to join); positions of the buckets that travel as themselves.
     joined: _pack.Joined | None
@@ -91,9 +118,8 @@ class Recipe:
     guard: Guard | None
     #: The tensor leaves without elements: (leaf, shape, dtype); nothing to send.
     empties: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
-    #: Gather: leaf -> the dim its replica axis moves to; whether it stacks.
+    #: Gather: leaf -> the dim its replica axis moves to.
     moved: Mapping[int, int]
-    stack: bool
     #: The Python scalars of each bucket that has some: (leaf, position in its block).
     scalars: tuple[tuple[tuple[int, int], ...], ...]
     #: Of each bucket that has Python scalars: how its Python ints are read
@@ -114,11 +140,6 @@ class Recipe:
         """The tensor leaves that travel, bucket after bucket."""
         return tuple(leaf for b in self.buckets for leaf in b.tensor_leaves)
 
-    @property
-    def gathered(self) -> int | None:
-        """W for a gather, whose results arrive as (W, n)."""
-        return self.world if self.kind == "gather" else None
-
 
 def _nbytes(joined: _pack.Joined | None, buckets, ops, part_shapes) -> int:
     """The bytes that a lazy engine's collectives send, the header included:
@@ -132,38 +153,36 @@ def _nbytes(joined: _pack.Joined | None, buckets, ops, part_shapes) -> int:
     )
 
 
-def guard(kind: str, dtype: torch.dtype, how: str, world: int, lazy: bool) -> Guard:
-    """The :class:`Guard` of a collective of ``kind`` whose header is of
-    ``dtype``, combined by ``how``."""
-    one_sided = kind == "broadcast" and not how
-    when = "outputs" if lazy else "last" if one_sided else "first"
-    return Guard(dtype, how, _guard.size(kind, dtype, how, world), when)
+def guard(op: Collective, dtype: torch.dtype, how: str, world: int, lazy: bool) -> Guard:
+    """The :class:`Guard` of collective ``op`` whose header is of ``dtype``,
+    combined by ``how``."""
+    when = "outputs" if lazy else "last" if op.one_sided(how) else "first"
+    return Guard(dtype, how, op.header_size(dtype, how, world), when)
 
 
 def build(
     plan: Plan,
-    kind: str,
+    op: Collective,
     world: int,
     g: Guard | None,
     alone: int,
-    src: int,
-    stack: bool,
     identity: bool,
     lazy: bool,
 ) -> Recipe:
-    """``plan``'s recipe: with ``g``'s header, and a move's buckets of one
-    tensor of ``alone`` bytes or more (0: none) travelling as themselves;
-    made of copies if ``identity``; on a ``lazy`` engine, hosted if it is
-    small."""
+    """``plan``'s recipe for ``op``: with ``g``'s header, and a move's
+    buckets of one tensor of ``alone`` bytes or more (0: none) travelling as
+    themselves; made of copies if ``identity``; on a ``lazy`` engine, hosted
+    if it is small."""
     b = plan.buckets
-    joined = kind != "reduce"
-    live = [k for k, x in enumerate(b) if x.size or (g and k == 0 and not joined)]
+    joined = op.joins
+    in_bucket = g is not None and not joined
+    live = [k for k, x in enumerate(b) if x.size or (in_bucket and k == 0)]
     means = list(plan.means) or [() for _ in b]
     part_shapes = [b[k].part_shapes for k in live]
     shapes = [plan.shapes[k] for k in live]
     casts = [b[k].casts for k in live]
     means = [means[k] for k in live]
-    if g and not joined:  # the header: bucket 0's first part
+    if g and in_bucket:  # the header: bucket 0's first part
         part_shapes[0] = ((g.size,), *part_shapes[0])
         shapes[0] = ((g.size,), *shapes[0])
         casts[0] = (None, *casts[0])
@@ -173,21 +192,21 @@ def build(
     ops = tuple(plan.ops[k] for k in live) if plan.ops else ()
     small = _nbytes(layout, [b[k] for k in live], ops, part_shapes) <= _pack.SMALL
     return Recipe(
-        kind=kind,
+        op=op,
         world=world,
-        src=src,
+        rows=op.rows(world),
         buckets=tuple(b[k] for k in live),
         ops=ops,
         part_shapes=tuple(part_shapes),
         shapes=tuple(shapes),
         casts=tuple(casts),
         means=tuple(means),
+        header_in_bucket=in_bucket,
         joined=layout,
         alone=apart,
         guard=g,
         empties=_empties(plan),
         moved=plan.moved,
-        stack=stack,
         scalars=tuple(
             tuple((s.leaf, s.offset - b[k].scalars[0].offset) for s in b[k].scalars)
             for k in live

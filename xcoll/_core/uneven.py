@@ -33,6 +33,7 @@ import torch
 from .._encode import pack as _pack
 from .._guard import check as _check
 from . import call as _call
+from . import ops as _ops
 from . import recipe as _recipe
 from . import tree as _tree
 
@@ -59,7 +60,7 @@ def growing_dims(flat: _tree.Flat, dim: int) -> dict[int, int]:
     return dims
 
 
-_STACKED = _call.Gather(stack=True)
+_STACKED = _ops.Gather(stack=True)
 
 
 @dataclass(frozen=True)
@@ -68,16 +69,16 @@ class UnevenPlan(_recipe.Plan):
 
 
 @dataclass(frozen=True)
-class UnevenGather(_call.Op):
+class UnevenGather(_ops.Op):
     dim: int = 0
     max_size: int | None = None
     stack: bool = False
     grad: bool = False
     name = "xcoll.gather"
-    kind = "uneven"
+    alone_backward = True
 
     def head(self, sync, to_cpu):
-        params = _call.gather_params(self.dim, self.stack, True, self.max_size)
+        params = _ops.gather_params(self.dim, self.stack, True, self.max_size)
         return f"{params} {super().head(sync, to_cpu)}"
 
     def validate(self, flat, transport, sync, to_cpu):
@@ -132,6 +133,23 @@ class UnevenGather(_call.Op):
         if not to_cpu:
             data = [transport.upload(t) for t in data]
         return _output(flat, idx, data, scalars), sizes
+
+    def backward_dims(self, flat, leaves):
+        """Per leaf, its growing dim and its column in the forward's sizes."""
+        growing = growing_dims(flat, self.dim)
+        columns = {i: k for k, i in enumerate(sorted(growing))}
+        return tuple((growing[i], columns[i]) for i in leaves)
+
+    def take(self, reduced, dims, shapes, transport, sizes):
+        """This replica's own rows of the summed gradient, found by the sizes
+        that the forward exchanged (the replicas' shapes differ)."""
+        r = transport.rank()
+        return [
+            g.narrow(d, int(sizes[:r, k].sum()), int(sizes[r, k])).clone(
+                memory_format=torch.contiguous_format
+            )
+            for g, (d, k) in zip(reduced, dims, strict=True)
+        ]
 
     def _bounded(self, flat, transport, rows, host, local, scalars, signature):
         """The call with ``max_size``: every replica's shape rows, scalars and

@@ -48,7 +48,7 @@ WINNING_NAN = {
 MAGNITUDE = {d: torch.iinfo(d).max for d in set(BITS.values())}
 
 #: The integer dtypes (bool included), in an order in which the last present
-#: one holds the values of every other it can (``xcoll._core.call.merged``).
+#: one holds the values of every other it can (``xcoll._core.ops.merged``).
 INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 #: Half-precision sums, products and means accumulate in float32 on every backend
@@ -153,7 +153,7 @@ def decode_reduce(
 
 
 def cast_back(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A decoded reduce result of a merged bucket (``xcoll._core.call.merged``) cast
+    """A decoded reduce result of a merged bucket (``xcoll._core.ops.merged``) cast
     back to a leaf's narrower ``dtype``, as :func:`decode_reduce` would have
     made it: rounded once, a NaN the quiet NaN (float32's NaN cast to bfloat16
     is not bfloat16's)."""

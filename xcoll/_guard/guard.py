@@ -14,7 +14,7 @@ The header's form makes the verdict the same on every replica: each one
 compares the header part of the collective's result, which is the same on
 every replica, with what it would be if every replica's fingerprint were its
 own (bytes against bytes, computed once per signature). It is as short as the
-collective's arithmetic allows (:func:`size`): small reduces stay small.
+collective's arithmetic allows (:func:`own_size`, :func:`alike_size`): small reduces stay small.
 
 * gather, and broadcast on torch.distributed (a star from ``src``, where an
   all-reduce would cost 15x at W=4 on gloo: docs/reliability.md): the 8 bytes
@@ -53,14 +53,13 @@ import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import torch
 
-from .._backends.base import TORCH, EngineError, Transport
+from .._backends.base import EngineError, Transport
 from .._core import memo as _memo
 from .._core import tree as _tree
-from .._encode import wire as _wire
 from . import check as _check
 from . import exchange as _exchange
 from . import steps as _steps
@@ -91,12 +90,14 @@ class Signature:
         # (a tag changes from call to call: its fingerprint is not kept)
         return _exchange.sha256(base.hex() + "\n" + self.tag) if self.tag else base
 
-    def header(self, dtype: torch.dtype, kind: str, how: str, world: int) -> Header:
-        """The call's :class:`Header` (kept per signature, unless tagged)."""
-        key = (self.fingerprint(), dtype, kind, how, world)
-        return _build(*key) if self.tag else _headers.get(key, lambda: _build(*key))
+    def header(self, dtype: torch.dtype, op: Rules, how: str, world: int) -> Header:
+        """The call's :class:`Header` for collective ``op`` (kept per signature, unless tagged)."""
+        key = (self.fingerprint(), dtype, op.__class__, how, world)
+        if self.tag:
+            return _build(self.fingerprint(), dtype, op, how, world)
+        return _headers.get(key, lambda: _build(key[0], dtype, op, how, world))
 
-    def uploaded(self, transport: Transport, h: Header, kind: str) -> torch.Tensor:
+    def uploaded(self, transport: Transport, h: Header, op: Rules) -> torch.Tensor:
         """``h.part`` on ``transport``'s device, uploaded once per untagged
         signature: as data, so that replicas with different headers trace the
         same program."""
@@ -104,25 +105,41 @@ class Signature:
             return h.part
         if self.tag:
             return transport.upload(h.part)
-        key = (self.fingerprint(), h.part.dtype, kind, str(transport.device))
+        key = (self.fingerprint(), h.part.dtype, op.__class__, str(transport.device))
         return _uploads.get(key, lambda: transport.upload(h.part))
+
+
+class Rules(Protocol):
+    """What the guard reads of a collective (:class:`xcoll._core.ops.Packed`):
+    its header's size and value under the collective's arithmetic."""
+
+    def header_size(self, dtype: torch.dtype, how: str, world: int) -> int: ...
+
+    def header_parts(
+        self, values: list[int], dtype: torch.dtype, how: str, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 _fingerprints: _memo.Memo[bytes] = _memo.Memo()
 
 
 @functools.cache
-def size(kind: str, dtype: torch.dtype, how: str, world: int) -> int:
-    """The header's number of elements for a collective of ``kind`` in a
-    bucket of ``dtype`` combined by ``how`` at ``world`` replicas. A reduce's
-    depends on the dtype's width alone, except for prod: so that replicas
-    whose dtypes of one width or whose ops (prod aside) differ still make
-    collectives of one size, which the verdict names, instead of the
-    engine's failure."""
-    if kind != "reduce" or how == "prod":
-        return len(_values(_ZERO, dtype, how, world))
+def own_size(dtype: torch.dtype, how: str, world: int) -> int:
+    """The number of header values (:func:`_values`) in a bucket of ``dtype``
+    combined by ``how`` at ``world`` replicas."""
+    return len(_values(_ZERO, dtype, how, world))
+
+
+@functools.cache
+def alike_size(dtype: torch.dtype, how: str, world: int) -> int:
+    """A reduce's header size: it depends on the dtype's width alone, except
+    for prod, so that replicas whose dtypes of one width or whose ops (prod
+    aside) differ still make collectives of one size, which the verdict
+    names, instead of the engine's failure."""
+    if how == "prod":
+        return own_size(dtype, how, world)
     alike = [d for d in _tree.SUPPORTED_DTYPES if d.itemsize == dtype.itemsize]
-    return max(len(_values(_ZERO, d, h, world)) for d in alike for h in _OPS)
+    return max(own_size(d, h, world) for d in alike for h in _OPS)
 
 
 _ZERO = bytes(BITS // 8)
@@ -178,28 +195,13 @@ class Header:
 _headers: _memo.Memo[Header] = _memo.Memo(locked=True)
 
 
-def _build(fingerprint: bytes, dtype: torch.dtype, kind: str, how: str, world: int) -> Header:
-    """The :class:`Header` of a collective of ``kind`` ("gather", "broadcast"
-    or "reduce"), combined by ``how`` (the all-reduce's op, "sum" for a
-    broadcast that sums, "" for one that arrives from ``src``), as the
-    module's docstring says: a move's in its int32 wire words, a reduce's in
-    its bucket's dtype."""
+def _build(fingerprint: bytes, dtype: torch.dtype, op: Rules, how: str, world: int) -> Header:
+    """The :class:`Header` of collective ``op``, combined by ``how`` (the
+    all-reduce's op, "sum" for a broadcast that sums, "" for a move whose
+    bytes arrive as sent), as the module's docstring says."""
     values = _values(fingerprint, dtype, how, world)
-    values += [0] * (size(kind, dtype, how, world) - len(values))  # (0 under every op)
-    if kind == "reduce":
-        part = torch.tensor(values, dtype=dtype)
-        wire = _wire.encode_reduce(part.clone(), how, TORCH.bitcast)
-    else:  # (a move's header is of its int32 wire words)
-        part = wire = torch.tensor(values, dtype=torch.int32)
-    # every replica's the same: what the collective gives
-    if kind == "gather":
-        wire = wire.expand(world, -1)
-    elif how == "sum":
-        wire = wire * world
-    if kind == "reduce":
-        decoded = _wire.decode_reduce(wire.clone(), dtype, how, TORCH.bitcast)
-    else:
-        decoded = wire
+    values += [0] * (op.header_size(dtype, how, world) - len(values))  # (0 under every op)
+    part, wire, decoded = op.header_parts(values, dtype, how, world)
     return Header(part, as_bytes(wire), as_bytes(decoded))
 
 

@@ -1,0 +1,39 @@
+"""The collectives, one object each: :class:`Gather`, :class:`Reduce`,
+:class:`Broadcast` (and :class:`xcoll._core.uneven.UnevenGather`,
+:class:`xcoll._core.grad.Backward`). Each holds everything that differs
+between collectives: its parameters, how it is described, validated and
+planned (:class:`xcoll._core.recipe.Plan`); its guard header's dtype, size
+and value under the collective's arithmetic; how its wires are made, sent,
+cut and decoded; how a Python scalar comes back; and its backward rule
+(:meth:`Op.take`). The executor (:mod:`xcoll._core.execute`) and the guard
+(:mod:`xcoll._guard.guard`) read these and never ask which collective it is.
+Adding a collective is one new op and its public function.
+
+A move (:class:`Move`: gather, broadcast) joins every bucket's bytes into
+one buffer of int32 words and makes one collective; a reduce makes one
+all-reduce per (dtype, op) bucket, encoded so that the engine's arithmetic is
+exact (:mod:`xcoll._encode.wire`).
+
+One module each: :mod:`~xcoll._core.ops.base` (what every op is),
+:mod:`~xcoll._core.ops.gather`, :mod:`~xcoll._core.ops.reduce`,
+:mod:`~xcoll._core.ops.broadcast`; their names are gathered here.
+"""
+
+from .base import Move, Op, Packed, Tuning, tuned
+from .broadcast import Broadcast
+from .gather import Gather, gather_params
+from .reduce import OPS, Reduce, merged
+
+__all__ = [
+    "OPS",
+    "Broadcast",
+    "Gather",
+    "Move",
+    "Op",
+    "Packed",
+    "Reduce",
+    "Tuning",
+    "gather_params",
+    "merged",
+    "tuned",
+]

@@ -1,0 +1,331 @@
+"""What every collective is: :class:`Op` (described, validated, planned,
+run, differentiated), :class:`Packed` (run by :mod:`xcoll._core.execute`
+from a recipe, through its rules, one method each) and :class:`Move` (a
+gather's or broadcast's buckets joined into one buffer); and :class:`Tuning`,
+the settings that trade copies for collectives."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..._backends.base import TORCH, Kernels, Transport
+from ..._encode import pack as _pack
+from ..._encode import wire as _wire
+from ..._guard import check as _check
+from ..._guard import guard as _guard
+from .. import execute as _execute
+from .. import recipe as _recipe
+from .. import tree as _tree
+from ..recipe import Plan, Recipe
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Settings that trade copies for collectives (tests change them with
+    :func:`tuned`; plans and recipes are keyed by them)."""
+
+    #: Bytes up to which a narrower integer dtype's leaves, widened, join a
+    #: wider integer bucket of the same op (:func:`merged`): a collective
+    #: saved (3 ms on gloo at W=4 on 2 cores) is worth more than copying that much.
+    widen: int = 1 << 20
+    #: Bytes from which a move's bucket of one tensor travels as itself, in a
+    #: collective of its own, on an eager engine: copying it into the joined
+    #: buffer would cost more than a collective (a 16 MiB copy takes a few ms
+    #: on 2 cores, as gloo's collective does) and as much memory again as the leaf.
+    alone: int = 1 << 24
+
+
+_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar(
+    "xcoll_tuning",
+    default=Tuning(),  # noqa: B039 (frozen)
+)
+
+
+def tuning() -> Tuning:
+    """This thread's :class:`Tuning`."""
+    return _TUNING.get()
+
+
+@contextlib.contextmanager
+def tuned(**changes: int) -> Iterator[Tuning]:
+    """Within the block, this thread's calls use :class:`Tuning` with ``changes``."""
+    token = _TUNING.set(dataclasses.replace(_TUNING.get(), **changes))
+    try:
+        yield _TUNING.get()
+    finally:
+        _TUNING.reset(token)
+
+
+def laid_out(
+    flat: _tree.Flat,
+    keys: Sequence[Hashable],
+    dtypes: Sequence[torch.dtype],
+    lead: tuple[int, ...],
+    shape,
+    description: _check.Description,
+    first: frozenset[int] = frozenset(),
+    empty: Hashable = torch.uint8,
+    exact: dict[Hashable, str] | None = None,
+    **extra: Any,
+) -> Plan:
+    # At least one bucket, whose collective carries the guard even for a tree
+    # with no leaves to send (``empty``: its key, for a uint8 bucket).
+    buckets = _pack.plan(flat.leaves, keys, dtypes, first, exact) or [
+        _pack.Bucket(empty, torch.uint8)
+    ]
+    shapes = [
+        tuple(shape(s.leaf) for s in b.tensors) + ((lead + (b.block,),) if b.scalars else ())
+        for b in buckets
+    ]
+    return Plan(buckets, shapes, description, **extra)
+
+
+def leaf_shape(flat: _tree.Flat):
+    return lambda i: tuple(flat.leaves[i].shape)
+
+
+class Op(ABC):
+    """A collective call: how it is described, validated, planned, run and
+    differentiated."""
+
+    name: str
+    #: Whether the call is differentiable (``grad=True``, :mod:`xcoll._core.grad`).
+    grad: bool = False
+    #: A broadcast's source rank (a field of that op).
+    src: int = 0
+    #: Whether a differentiable call's backward runs on its own, after the
+    #: pending work (an uneven gather's: the replicas' shapes differ).
+    alone_backward: bool = False
+
+    def head(self, sync: bool, to_cpu: bool) -> str:
+        """The call's parameters, as the consistency check compares them."""
+        return f"to_cpu={to_cpu} sync={sync}" + (" grad=True" if self.grad else "")
+
+    def validate(self, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> None:
+        """Checks of the call's arguments that are not cached with the plan."""
+        if self.grad and to_cpu:
+            raise ValueError(
+                "grad=True needs to_cpu=False: gradients flow back to the leaves' device"
+            )
+        if sync:
+            return
+        if to_cpu:
+            raise ValueError("to_cpu=True needs sync=True: host values exist only after execution")
+        if flat.scalars:
+            raise ValueError(
+                f"{flat.path(flat.scalars[0])}: a Python scalar leaf needs sync=True (its value is "
+                "known only after execution); pass a tensor to trace it into the pending graph"
+            )
+
+    @abstractmethod
+    def key(self, flat: _tree.Flat, world: int) -> Hashable:
+        """Everything :meth:`plan` depends on (it is cached under this key)."""
+
+    @abstractmethod
+    def plan(self, flat: _tree.Flat, world: int) -> Plan:
+        """Validates the call for ``flat`` and lays out its buckets."""
+
+    @abstractmethod
+    def apply(
+        self,
+        flat: _tree.Flat,
+        transport: Transport,
+        plan: Plan,
+        sync: bool,
+        to_cpu: bool,
+        signature: _guard.Signature | None,
+    ) -> tuple[Any, Any]:
+        """Communicates, guarded as ``signature``; returns the output tree and
+        what a backward needs of this call beyond its signature (an uneven
+        gather's sizes; None for the others)."""
+
+    # The backward rule (:mod:`xcoll._core.grad`): the output gradients of
+    # the floating tensor leaves ``leaves`` are all-reduced with
+    # :meth:`backward_ops`, and each input's gradient taken by :meth:`take`.
+
+    def backward_ops(self, flat: _tree.Flat, leaves: Sequence[int]) -> list[Any]:
+        """Per leaf, the op of its gradient's all-reduce (None: it does not travel)."""
+        ops: list[Any] = [None] * len(flat.leaves)
+        for i in leaves:
+            ops[i] = "sum"
+        return ops
+
+    def backward_dims(self, flat: _tree.Flat, leaves: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """Per travelling leaf, what :meth:`take` reads of it beyond its shape."""
+        return ()
+
+    @abstractmethod
+    def take(
+        self,
+        reduced: list[torch.Tensor],
+        dims: tuple[tuple[int, int], ...],
+        shapes: tuple[tuple[int, ...], ...],
+        transport: Transport,
+        sizes: Any,
+    ) -> list[torch.Tensor]:
+        """Each travelling leaf's input gradient, from its all-reduced output
+        gradient (``dims``: :meth:`backward_dims`; ``shapes``: the leaves';
+        ``sizes``: what :meth:`apply` returned for the backward)."""
+
+
+class Packed(Op):
+    """A collective that moves packed buckets, run by :mod:`xcoll._core.execute`
+    from its :class:`~xcoll._core.recipe.Recipe`, which holds the op: the
+    executor and the guard read the rules below, one method each."""
+
+    #: Whether its buckets travel joined, as one buffer of int32 words with
+    #: the header first (a move), or in one collective each, the header at
+    #: the front of bucket 0 (a reduce).
+    joins: bool = True
+
+    def how(self, plan: Plan, transport: Transport) -> str:
+        """How the collective combines the guard header (:func:`xcoll._guard.guard.values`)."""
+        return ""
+
+    def header_dtype(self, plan: Plan) -> torch.dtype:
+        """The dtype of the guard header's part: a move's int32 wire words."""
+        return torch.int32
+
+    def header_size(self, dtype: torch.dtype, how: str, world: int) -> int:
+        """The header's number of elements (:func:`xcoll._guard.guard.own_size`)."""
+        return _guard.own_size(dtype, how, world)
+
+    def header_parts(
+        self, values: list[int], dtype: torch.dtype, how: str, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The header's part (what this replica sends), and the collective's
+        result where the header lies when every replica sends the same part,
+        in wire form and decoded: a move's in its int32 wire words."""
+        part = torch.tensor(values, dtype=torch.int32)
+        return part, part, part
+
+    def one_sided(self, how: str) -> bool:
+        """Whether only the receivers learn the verdict (a broadcast from src)."""
+        return False
+
+    def rows(self, world: int) -> int:
+        """The rows of a collective's result, one per replica that sent it."""
+        return 1
+
+    def scalar(self, value: Any, dtype: torch.dtype) -> torch.Tensor:
+        """A Python scalar's output as its collective gives it, in a world of one."""
+        return torch.tensor(value, dtype=dtype)
+
+    def python(self, block: Any, leaf: Any) -> Any:
+        """A Python scalar's output, from its block's elements (a tensor; or
+        an exact int, read back already)."""
+        return _tree.to_python(block, leaf) if isinstance(block, torch.Tensor) else block
+
+    def finish(self, r: Recipe, leaf: int, t: torch.Tensor) -> torch.Tensor:
+        """A tensor leaf's output from its piece, shaped as the collective gives it."""
+        return t
+
+    @abstractmethod
+    def send(self, transport: Transport, wire: torch.Tensor, k: int, r: Recipe) -> torch.Tensor:
+        """Starts collective ``k`` of the call (the first carries the header)."""
+
+    @abstractmethod
+    def wires(
+        self, r: Recipe, transport: Transport, parts: list[list[torch.Tensor]], head: list
+    ) -> list[torch.Tensor]:
+        """The buffers the call's collectives send, from each live bucket's
+        parts and the header's part (``head``: ``[[part]]``, or empty)."""
+
+    @abstractmethod
+    def decoded(
+        self, r: Recipe, transport: Transport, results: list[torch.Tensor], to_cpu: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Each live bucket's 1-d buffer, decoded, and a move's header piece
+        (None for a reduce's, which is still bucket 0's first part): on the
+        engine's device (one computation on XLA), or with ``to_cpu`` on the
+        host, after one transfer."""
+
+    def recipe(self, plan: Plan, transport: Transport, guarded: bool, to_cpu: bool) -> Recipe:
+        """``plan``'s recipe on ``transport`` (with the guard's header if
+        ``guarded``; outputs to the host if ``to_cpu``), kept on the plan."""
+        w = transport.world_size()
+        # (everything the recipe reads beyond the plan: the engine's kind
+        # decides lazy and how a broadcast's header combines; of the op, only
+        # fields that the plan's key or this one holds: src)
+        key = (type(transport), w, guarded, to_cpu, _TUNING.get().alone, self.src)
+        r = plan.recipes.get(key)
+        if r is None:  # (two threads may build it: setdefault keeps one)
+            r = plan.recipes.setdefault(key, self._recipe(plan, transport, w, guarded, to_cpu))
+        return r
+
+    def _recipe(self, plan: Plan, transport: Transport, w: int, guarded: bool, to_cpu: bool) -> Recipe:
+        guard = None
+        if guarded:
+            how = self.how(plan, transport)
+            guard = _recipe.guard(self, self.header_dtype(plan), how, w, transport.lazy)
+        # (a large tensor travels alone on eager engines only: on XLA its
+        # bytes are in the graph either way)
+        alone = 0 if transport.lazy else _TUNING.get().alone
+        # (a world of one whose outputs stay on a lazy engine's device runs its
+        # one program: made of copies, it would trace one per leaf)
+        identity = w == 1 and (to_cpu or not transport.lazy)
+        return _recipe.build(plan, self, w, guard, alone, identity, transport.lazy)
+
+    def apply(self, flat, transport, plan, sync, to_cpu, signature):
+        r = self.recipe(plan, transport, signature is not None, to_cpu)
+        out, agree = _execute.execute(r, flat, transport, signature, sync=sync, to_cpu=to_cpu)
+        if not agree:
+            _guard.fire(transport, signature, r.op.src)
+        return out, None
+
+
+class Move(Packed):
+    """A gather or a broadcast: every bucket's bytes joined into one buffer
+    of int32 words (the header first), in one collective; on an eager engine
+    a bucket of one large tensor travels as itself (:attr:`Tuning.alone`)."""
+
+    def wires(self, r, transport, parts, head):
+        wires = []
+        if r.joined is not None:
+            segments = head + [parts[j] for j in r.joined.order]
+            wires.append(transport.kernels.join(segments, r.joined))
+        return wires + [self.alone(transport, parts[j][0]) for j in r.alone]
+
+    @abstractmethod
+    def alone(self, transport: Transport, leaf: torch.Tensor) -> torch.Tensor:
+        """The wire of a bucket that travels as itself (eager engines)."""
+
+    def decoded(self, r, transport, results, to_cpu):
+        # (cut into segments on the device first: on the host, a gather's
+        # slot-major copies cost more than the computation; in their integer
+        # wire form, for the host: a device's download of floats may change
+        # NaN payloads)
+        flats, header = _unjoin(r, transport.kernels, results, wire=to_cpu)
+        if not to_cpu:
+            return flats, header
+        fetched = transport.sync_and_fetch(flats + ([header] if header is not None else []))
+        header = fetched.pop() if header is not None else None
+        dtypes = [b.dtype for b in r.buckets]
+        decoded = [_wire.decode_move(f, d, TORCH.bitcast) for f, d in zip(fetched, dtypes, strict=True)]
+        return decoded, header
+
+
+def _unjoin(r: Recipe, kernels: Kernels, results, wire: bool):
+    """Each live bucket's 1-d buffer of a move (in the integer ``wire`` form,
+    or decoded), and its header piece (or None): the joined buffer's first,
+    then those of the buckets that travel alone (a gather's result of one
+    slot is slot-major already)."""
+    flats: list[Any] = [None] * len(r.buckets)
+    header = None
+    results = list(results)
+    if r.joined is not None:
+        segments = kernels.unjoin(results.pop(0), r.joined, r.rows, wire)
+        header = segments.pop(0) if r.guard is not None else None
+        for j, seg in zip(r.joined.order, segments, strict=True):
+            flats[j] = seg
+    for j, got in zip(r.alone, results, strict=True):
+        flats[j] = got if wire else _wire.decode_move(got, r.buckets[j].dtype, kernels.bitcast)
+    return flats, header

@@ -1,0 +1,209 @@
+"""The reduce: every replica's leaves combined elementwise, one all-reduce
+per (dtype, op) bucket (its rules: :class:`Reduce`), and which op each
+dtype takes and which buckets merge (:func:`merged`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from ..._backends.base import TORCH
+from ..._encode import pack as _pack
+from ..._encode import wire as _wire
+from ..._guard import check as _check
+from ..._guard import guard as _guard
+from .. import tree as _tree
+from .base import Packed, laid_out, leaf_shape, tuning
+
+OPS = ("sum", "mean", "max", "min", "prod")
+
+# The collective each (kind of dtype, op) takes. Missing pairs are refused:
+# mean of integers would need a dtype change; sum of bools is ambiguous (count or
+# any); max/min are not defined for complex numbers, which xcoll refuses anyway.
+_FLOAT_OPS = {"sum": "sum", "mean": "sum", "prod": "prod", "max": "max", "min": "min"}
+_INT_OPS = {"sum": "sum", "prod": "prod", "max": "max", "min": "min"}
+_BOOL_OPS = {"max": "max", "min": "min", "prod": "min"}
+
+# The buckets whose Python scalars travel in more than one element each
+# (``_pack.int_parts``): in int64, all Python ints (a Python bool's prod is
+# its min, its sum is refused), exactly: a sum as two limbs, a product with
+# what tells whether it fits. Python ints of max and min are exact as int64.
+_EXACT: dict[Hashable, str] = {(torch.int64, op): op for op in ("sum", "prod")}
+
+_REFUSED = {
+    "mean": "mean needs a floating dtype (convert first, e.g. x.float())",
+    "sum": 'sum of bools is ambiguous: use "max" for any, "min" for all, or sum x.int() to count',
+}
+
+
+def _reduce_op(bucket: _pack.Bucket) -> str:
+    """A reduce's bucket's op: its key is ``(dtype, op)``."""
+    return cast(tuple[Any, str], bucket.key)[1]
+
+
+@dataclass(frozen=True)
+class Reduce(Packed):
+    """Every replica's leaves combined elementwise by ``op``: one all-reduce
+    per (dtype, op) bucket, encoded so that the engine's arithmetic is exact."""
+
+    op: Any = "sum"
+    grad: bool = False
+    name = "xcoll.reduce"
+    joins = False
+
+    def key(self, flat, world):
+        # (the plan reads the tuning's widen: a plan never outlives the value it was made with)
+        return ("reduce", _tree.prefix_key(self.op), self.grad, world, tuning().widen, flat.key)
+
+    def plan(self, flat, world):
+        ops = _tree.broadcast_prefix(self.op, flat, "op")
+        keys = []
+        for i, leaf in enumerate(flat.leaves):
+            dtype = _tree.dtype_of(leaf)
+            table = (
+                _BOOL_OPS
+                if dtype == torch.bool
+                else _FLOAT_OPS
+                if dtype.is_floating_point
+                else _INT_OPS
+            )
+            if not isinstance(ops[i], str) or ops[i] not in OPS:
+                raise ValueError(
+                    f"{flat.path(i)}: unknown op {ops[i]!r}; expected one of {', '.join(OPS)}"
+                )
+            if ops[i] not in table:
+                raise TypeError(
+                    f"{flat.path(i)}: op {ops[i]!r} is not defined for {dtype}; {_REFUSED[ops[i]]}"
+                )
+            if self.grad and dtype.is_floating_point and ops[i] not in ("sum", "mean"):
+                raise ValueError(
+                    f"{flat.path(i)}: op {ops[i]!r} has no gradient in xcoll (grad=True "
+                    "differentiates sum and mean); reduce this leaf in a call without grad"
+                )
+            keys.append((dtype, table[ops[i]]))
+        keys = merged(flat, keys)
+        means = frozenset(i for i, o in enumerate(ops) if o == "mean")
+        plan = laid_out(
+            flat,
+            keys,
+            [k[0] for k in keys],
+            (),
+            leaf_shape(flat),
+            _check.describe(flat, ops=ops),
+            first=means,
+            empty=(torch.uint8, "max"),
+            exact=_EXACT,
+        )
+        return dataclasses.replace(
+            plan,
+            means=tuple(_ranges(b, means) for b in plan.buckets),
+            ops=tuple(_reduce_op(b) for b in plan.buckets),
+        )
+
+    def how(self, plan, transport):
+        return plan.ops[0]
+
+    def header_dtype(self, plan):
+        return plan.buckets[0].dtype  # (bucket 0's first part)
+
+    def header_size(self, dtype, how, world):
+        return _guard.alike_size(dtype, how, world)
+
+    def header_parts(self, values, dtype, how, world):
+        part = torch.tensor(values, dtype=dtype)
+        wire = _wire.encode_reduce(part.clone(), how, TORCH.bitcast)
+        if how == "sum":
+            wire = wire * world
+        return part, wire, _wire.decode_reduce(wire.clone(), dtype, how, TORCH.bitcast)
+
+    def send(self, transport, wire, k, r):
+        return transport.all_reduce(wire, r.ops[k])
+
+    def wires(self, r, transport, parts, head):
+        parts[0] = [*(head[0] if head else []), *parts[0]]
+        dtypes = [b.dtype for b in r.buckets]
+        return transport.kernels.encode_reduce(parts, r.part_shapes, dtypes, r.ops)
+
+    def decoded(self, r, transport, results, to_cpu):
+        # (with to_cpu, fetched as they arrived and decoded on the host: no
+        # computation after the collectives)
+        kernels = transport.kernels
+        if to_cpu:
+            results, kernels = transport.sync_and_fetch(results), TORCH
+        dtypes = [b.dtype for b in r.buckets]
+        return kernels.decode_reduce(results, dtypes, list(r.ops), list(r.means), r.world), None
+
+    def backward_ops(self, flat, leaves):
+        """Each leaf's own op: sum, or mean (the others have no gradient)."""
+        ops = _tree.broadcast_prefix(self.op, flat, "op")
+        out: list[Any] = [None] * len(flat.leaves)
+        for i in leaves:
+            out[i] = ops[i]
+        return out
+
+    def take(self, reduced, dims, shapes, transport, sizes):
+        return reduced
+
+
+def merged(flat: _tree.Flat, keys: list[tuple[torch.dtype, str]]) -> list[tuple[torch.dtype, str]]:
+    """A reduce's bucket keys ``(dtype, collective op)``, with buckets merged
+    where every result stays bit for bit the same, into one collective:
+
+    * half-precision sums and products (means included) with float32's of
+      the same op, or with each other as float32: each accumulates in float32
+      anyway and is rounded back once (``_wire.ACCUMULATE``);
+    * an integer or bool bucket with the widest integer bucket of the same op
+      that holds all its values (a bool in any, uint8 in int16 and wider), up
+      to :attr:`Tuning.widen` bytes widened: sums and products wrap modulo 2**bits,
+      which the cast back keeps, and max and min compare the same values.
+
+    Float max and min (ordered keys of each width) and float64 keep their own.
+
+    >>> flat = _tree.flatten([torch.ones(2, dtype=torch.float16), torch.ones(3), 1, True])
+    >>> merged(flat, [(torch.float16, "sum"), (torch.float32, "sum"), (torch.int64, "max"), (torch.bool, "max")])
+    [(torch.float32, 'sum'), (torch.float32, 'sum'), (torch.int64, 'max'), (torch.int64, 'max')]
+    """
+    counts: dict[str, dict[torch.dtype, int]] = {}  # op -> dtype -> elements
+    for leaf, (dtype, op) in zip(flat.leaves, keys, strict=True):
+        n = leaf.numel() if isinstance(leaf, torch.Tensor) else 1
+        counts.setdefault(op, {})[dtype] = counts.get(op, {}).get(dtype, 0) + n
+    into: dict[tuple[torch.dtype, str], tuple[torch.dtype, str]] = {}
+    widen = tuning().widen
+    for op, by_dtype in counts.items():
+        halves = [d for d in by_dtype if d in (torch.float16, torch.bfloat16, torch.float32)]
+        if op in ("sum", "prod") and len(halves) > 1:
+            into.update({(d, op): (torch.float32, op) for d in halves})
+        ints = [d for d in by_dtype if d in _wire.INTS]
+        if len(ints) > 1:
+            wide = max(ints, key=_wire.INTS.index)
+            for d in ints:
+                if _holds(wide, d) and by_dtype[d] * wide.itemsize <= widen:
+                    into[d, op] = (wide, op)
+    return [into.get(k, k) for k in keys]
+
+
+def _holds(wide: torch.dtype, d: torch.dtype) -> bool:
+    """Whether every value of integer dtype ``d`` is one of ``wide``'s."""
+    if d in (torch.bool, wide):
+        return True
+    if wide in (torch.bool, torch.uint8):
+        return False
+    return d.itemsize < wide.itemsize or (d != torch.uint8 and d.itemsize == wide.itemsize)
+
+
+def _ranges(bucket: _pack.Bucket, leaves: frozenset[int]) -> tuple[tuple[int, int], ...]:
+    """The element ranges of ``leaves``' slots in ``bucket``, adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for s in bucket.tensors + bucket.scalars:
+        if s.leaf in leaves:
+            if out and out[-1][1] == s.offset:
+                out[-1] = (out[-1][0], s.offset + s.numel)
+            else:
+                out.append((s.offset, s.offset + s.numel))
+    return tuple(out)
+
+
