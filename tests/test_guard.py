@@ -439,7 +439,7 @@ def _exclusive_messages(_):
     from xcoll._guard import guard as _guard
 
     groups = [dist.new_group(), dist.new_group()]
-    t = DistTransport(None, groups[0])
+    t = DistTransport(None, groups[0], groups[0])
     raised = {}
     try:
         with xcoll.consistency_checks("never"):
@@ -448,7 +448,7 @@ def _exclusive_messages(_):
     except RuntimeError as e:
         raised["engine"] = str(e)
     raised.update(_overlap(t, None))
-    raised["with an error"] = _overlap(DistTransport(None, groups[1]), ValueError("a bad batch"))
+    raised["with an error"] = _overlap(DistTransport(None, groups[1], groups[1]), ValueError("a bad batch"))
     for group in groups:
         dist.destroy_process_group(group)
     return raised

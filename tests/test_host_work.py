@@ -20,18 +20,18 @@ from tests.replicas import shared_pool
 # XLA pool), from the caches and state its earlier calls left.
 BOUNDS = {
     "gloo-2": {
-        "reduce, 1 leaf": 187 + 15,
-        "gather, 1 leaf": 227 + 15,
-        "broadcast, 1 leaf": 194 + 15,
-        "reduce, 3-leaf metrics": 194 + 15,
-        "gather grad=True, 1 leaf": 264 + 15,
+        "reduce, 1 leaf": 170 + 15,
+        "gather, 1 leaf": 210 + 15,
+        "broadcast, 1 leaf": 177 + 15,
+        "reduce, 3-leaf metrics": 177 + 15,
+        "gather grad=True, 1 leaf": 249 + 15,
     },
     "xla-cpu-2": {
-        "reduce, 1 leaf": 245 + 15,
-        "gather, 1 leaf": 274 + 15,
-        "broadcast, 1 leaf": 260 + 15,
-        "reduce, 3-leaf metrics": 252 + 15,
-        "gather grad=True, 1 leaf": 312 + 15,
+        "reduce, 1 leaf": 235 + 15,
+        "gather, 1 leaf": 264 + 15,
+        "broadcast, 1 leaf": 257 + 15,
+        "reduce, 3-leaf metrics": 242 + 15,
+        "gather grad=True, 1 leaf": 304 + 15,
     },
 }
 

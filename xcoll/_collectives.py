@@ -8,7 +8,7 @@ Each is one :func:`xcoll._core.call.call` of its op (``_call``); uneven gathers 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, overload
 
 import torch
 
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 def _flags(**flags: Any) -> None:
     """Refuses a flag that is not a bool: truthiness would read ``sync="no"``
-    as True. Identity tests alone: it runs on every call."""
+    as True. (The public calls test ``x.__class__ is bool`` first, which makes
+    no call, and call this only to name the flag.)"""
     for name, value in flags.items():
         if value is not True and value is not False:
             raise TypeError(f"{name} must be a bool (True or False), got {value!r:.80}")
@@ -174,7 +175,10 @@ def gather(
     >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
     {'x': tensor([1, 2]), 'n': [3]}
     """
-    _flags(stack=stack, sync=sync, to_cpu=to_cpu, uneven=uneven, grad=grad)
+    if not (
+        stack.__class__ is sync.__class__ is to_cpu.__class__ is uneven.__class__ is grad.__class__ is bool
+    ):
+        _flags(stack=stack, sync=sync, to_cpu=to_cpu, uneven=uneven, grad=grad)
     if uneven or max_size is not None:
         op: _ops.Op = _uneven.UnevenGather(dim, max_size, stack, grad)
     else:
@@ -256,15 +260,17 @@ def reduce(
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
     {'loss': tensor(0.5000), 'n': 4}
     """
-    _flags(sync=sync, to_cpu=to_cpu, grad=grad)
+    if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
+        _flags(sync=sync, to_cpu=to_cpu, grad=grad)
     if op is None and tree is not None:  # (optree reads None as an empty tree, the prefix
         # of None alone: its own error named none of this)
         raise ValueError(
             f"op must be one of {_OPS_NAMED}, or a prefix tree of them "
             '(e.g. {"loss": "mean", "n": "sum"}), got None'
         )
-    out = _grad.call(_ops.Reduce(op, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
-    return cast(T, out)  # (a tree of the input's structure and leaf types)
+    # (a tree of the input's structure and leaf types)
+    out: T = _grad.call(_ops.Reduce(op, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    return out
 
 
 def broadcast(
@@ -320,10 +326,11 @@ def broadcast(
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
     {'seed': 7, 'w': tensor([1., 1.])}
     """
-    _flags(sync=sync, to_cpu=to_cpu, grad=grad)
-    op = _ops.Broadcast(src, grad)
-    out = _grad.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
-    return cast(T, out)  # (a tree of the input's structure and leaf types)
+    if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
+        _flags(sync=sync, to_cpu=to_cpu, grad=grad)
+    # (a tree of the input's structure and leaf types)
+    out: T = _grad.call(_ops.Broadcast(src, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    return out
 
 
 def rank(group: Any = None) -> int:

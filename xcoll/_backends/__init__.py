@@ -41,8 +41,12 @@ def xla_runtime_running() -> bool:
     return _xlac.runtime_is_initialized()
 
 
-def _dist_running(group: Any) -> bool:
-    return group is not None or (_DIST_AVAILABLE and torch_dist.group.WORLD is not None)
+def _process_group(group: Any) -> Any:
+    """The process group a call on ``group`` uses (``group``, else the
+    default group), or None where torch.distributed is not initialised."""
+    if group is not None:
+        return group
+    return torch_dist.group.WORLD if _DIST_AVAILABLE else None
 
 
 def check_group(group: Any) -> None:
@@ -85,8 +89,9 @@ def current(group: Any = None) -> Transport:
         from . import xla
 
         return xla.transport()
-    if _dist_running(group):
-        return DistTransport(None, group)
+    pg = _process_group(group)
+    if pg is not None:
+        return DistTransport(None, group, pg)
     return _alone()
 
 
@@ -119,8 +124,8 @@ def resolve(flat: Flat, group: Any = None) -> Transport:
         from . import xla
 
         transport = xla.transport(flat.devices[0])
-    elif _dist_running(group):
-        transport = DistTransport(flat.devices[0], group)
+    elif (pg := _process_group(group)) is not None:
+        transport = DistTransport(flat.devices[0], group, pg)
     elif xla_runtime_running():
         # Treating them as a world of one would silently return W-times-smaller results.
         first = next(i for i, s in enumerate(flat.signature) if isinstance(s, tuple))

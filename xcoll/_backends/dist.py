@@ -63,30 +63,28 @@ _groups: weakref.WeakKeyDictionary[Any, _Group] = weakref.WeakKeyDictionary()
 
 
 def _group(pg: Any) -> _Group:
-    g = _groups.get(pg)
-    if g is None:
-        g = _groups[pg] = _Group(
-            ("dist", pg.group_name),
-            dist.get_world_size(pg),
-            dist.get_rank(pg),
-            dist.get_backend(pg) == "nccl",
-        )
+    """``pg``'s :class:`_Group`, read now and kept."""
+    g = _groups[pg] = _Group(
+        ("dist", pg.group_name),
+        dist.get_world_size(pg),
+        dist.get_rank(pg),
+        dist.get_backend(pg) == "nccl",
+    )
     return g
 
 
 class DistTransport(Transport):
-    def __init__(self, device: torch.device | None, group: Any = None):
-        pg = group if group is not None else dist.group.WORLD
-        if pg is None:
-            raise RuntimeError("group= was given but torch.distributed is not initialised")
-        if _not_a_member(group):
+    def __init__(self, device: torch.device | None, group: Any, pg: Any):
+        """A transport on process group ``pg``: ``group`` (None: the default
+        group, ``pg``), whose tensor leaves are on ``device`` (None: none)."""
+        if group is not None and _not_a_member(group):
             raise ValueError(
                 f"group={group!r} is GroupMember.NON_GROUP_MEMBER, what dist.new_group returns "
                 f"to the processes it leaves out: this process (global rank {dist.get_rank()}) "
                 "is not a member of that group, and only its members may call on it"
             )
         self.group = group
-        g = _group(pg)
+        g = _groups.get(pg) or _group(pg)
         self.group_key, self._world, self._rank = g.key, g.world, g.rank
         if device is None:  # no tensor leaves: scalars go where this group's backend works
             device = torch.device("cuda", torch.cuda.current_device()) if g.nccl else _CPU

@@ -23,7 +23,6 @@ returned, not raised, so that a caller whose protocol goes on can go on.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,8 +38,6 @@ from .._guard import guard as _guard
 from .._guard import watchdog as _watchdog
 from . import tree as _tree
 from .recipe import Recipe
-
-_UNRECORDED = contextlib.nullcontext()
 
 
 def execute(
@@ -58,17 +55,23 @@ def execute(
 
     Outputs never require grad and never alias the inputs; Python scalar
     leaves come back as Python values (a gather's, as lists)."""
-    # (copies of a leaf that requires grad would be recorded by autograd)
-    with torch.no_grad() if flat.grads else _UNRECORDED:
-        if r.identity:
-            out, agree = _identity(r, flat, transport, to_cpu), True
-        elif r.hosted and sync:
-            out, agree = _hosted(r, flat, transport, signature, to_cpu)
-        else:
-            out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
+    if flat.grads:  # (copies of a leaf that requires grad would be recorded by autograd)
+        with torch.no_grad():
+            out, agree = _outputs(r, flat, transport, signature, sync, to_cpu)
+    else:
+        out, agree = _outputs(r, flat, transport, signature, sync, to_cpu)
     for i in flat.scalars:
         out[i] = r.op.python(out[i], flat.leaves[i])
-    return flat.unflatten(out), agree
+    return flat.treespec.unflatten(out), agree
+
+
+def _outputs(r: Recipe, flat, transport: Transport, signature, sync: bool, to_cpu: bool):
+    """The output leaves (Python scalars as CPU tensors), and the verdict."""
+    if r.identity:
+        return _identity(r, flat, transport, to_cpu), True
+    if r.hosted and sync:
+        return _hosted(r, flat, transport, signature, to_cpu)
+    return _leaves_out(r, flat, transport, signature, sync, to_cpu)
 
 
 def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
@@ -282,7 +285,7 @@ def _materialise(
     fetch = list(blocks) + ([header] if header is not None else [])
     if fetch:
         fetch = transport.sync_and_fetch(fetch)
-    else:
+    elif transport.lazy:  # (an eager engine's sync does nothing)
         transport.sync()
     return (fetch[:-1], fetch[-1]) if header is not None else (fetch, None)
 

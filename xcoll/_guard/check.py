@@ -30,6 +30,7 @@ import os
 import threading
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -101,9 +102,19 @@ _called: set[Hashable] = set()
 _called_lock = threading.Lock()
 
 
+# ``XCOLL_CHECK``, read on every call as one lookup in os.environ's own dict
+# (``os.environ.get`` makes five Python-level calls); the same value, which a
+# program may change at any time.
+_ENVIRON: dict[Any, Any] | None = getattr(os.environ, "_data", None)
+_KEY = os.environ.encodekey("XCOLL_CHECK") if _ENVIRON is not None else None
+
+
 def mode() -> str:
     """This thread's mode: :func:`consistency_checks`, else ``XCOLL_CHECK``."""
-    m = getattr(_local, "mode", None) or os.environ.get("XCOLL_CHECK", "guard")
+    m = getattr(_local, "mode", None)
+    if m is None:
+        raw = _ENVIRON.get(_KEY) if _ENVIRON is not None else os.environ.get("XCOLL_CHECK")
+        m = "guard" if raw is None else raw if raw.__class__ is str else os.environ.decodevalue(raw)
     if m not in MODES:
         raise ValueError(f"XCOLL_CHECK must be one of {MODES}, got {m!r}")
     return m

@@ -352,7 +352,8 @@ class entered:
         t, error, self.error = self.transport, self.error, None  # (see the finally below)
         self.busy.__enter__()
         try:
-            t.settle()  # (an earlier sync=False call's verdict, where a sync has run it)
+            if t.lazy:  # (an earlier sync=False call's verdict, where a sync has run it)
+                t.settle()
             try:
                 tag, number = _steps.tag(t.group_key, self.explicit)
             except TypeError as e:

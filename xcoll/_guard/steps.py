@@ -132,6 +132,8 @@ def tag(group_key: Hashable, explicit: Any = None) -> tuple[str, int]:
     if isinstance(explicit, Identity):
         return explicit.text, number
     blocks = getattr(_local, "blocks", None)
+    if not blocks and explicit is None:  # (an untagged call outside any block)
+        return "", number
     parts = []
     if blocks:
         inner = blocks[-1]
