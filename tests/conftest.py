@@ -4,6 +4,7 @@ every Hypothesis example."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from hypothesis import settings
@@ -74,6 +75,89 @@ def from_wheel(tmp_path_factory, request) -> dict[str, str]:
     with zipfile.ZipFile(request.getfixturevalue("wheel")) as z:
         z.extractall(site)
     return {"PYTHONPATH": str(site)}
+
+
+#: The quick tier (``pytest -m quick``, README "Developing"), for the
+#: change-test loop: each test of these files once per world, on its smallest
+#: real worlds only (a world of one, gloo and XLA:CPU at W=2), which between
+#: them run every module of xcoll; the full suite before a commit.
+QUICK_FILES = {
+    "test_api_reference.py",
+    "test_check_state.py",
+    "test_counters.py",
+    "test_demo_and_docs.py",
+    "test_exact_ints.py",
+    "test_grad.py",
+    "test_header.py",
+    "test_import.py",
+    "test_kernels.py",
+    "test_mismatch.py",
+    "test_objects.py",
+    "test_out_of_step.py",
+    "test_pack.py",
+    "test_properties.py",
+    "test_rng.py",
+    "test_samples.py",
+    "test_structure.py",
+    "test_torchmetrics.py",
+    "test_uneven.py",
+    "test_wire.py",
+    "test_xla_steps.py",
+}
+_QUICK_WORLDS = {"local-1", "gloo-2", "xla-cpu-2", 2}
+#: Tests of those files that the quick tier leaves to the full suite: each
+#: takes 6 s or more (a diagnosis that waits for a watchdog or an engine's
+#: timeout, a torchrun job, a wheel, a benchmark), and what it runs of xcoll
+#: the quick tier's other tests run too.
+_SLOW = {
+    "test_a_first_call_on_a_subgroup_is_not_one_on_the_world",
+    "test_a_replica_in_mode_never_among_checked_ones_is_told_so",
+    "test_a_replica_that_skips_the_call_is_an_error_within_bounds",
+    "test_after_an_overlap_an_xla_replica_makes_no_more_collectives",
+    "test_an_output_read_before_any_sync_works_or_is_named_before_xla_aborts",
+    "test_an_xla_first_call_that_a_peer_skips_is_diagnosed_before_xla_aborts",
+    "test_bench_check_runs_and_reports_the_guard_costs_no_execution",
+    "test_bench_grad_counts_the_backwards_collectives",
+    "test_bench_outputs_reports_a_compile_per_output_count",
+    "test_bench_quick_runs_and_reports_well_formed_numbers",
+    "test_demo_runs_from_the_wheel_and_matches_the_single_process_reference",
+    "test_dtypes_the_device_narrows_are_refused_on_every_replica",
+    "test_readme_pool_example_runs_as_a_script",
+    "test_sub_group_messages_say_which_ranks_they_name",
+    "test_the_contrastive_example_under_torchrun_matches_one_process",
+    "test_the_contrastive_training_loop_under_torch_xla_defaults_matches_one_process",
+    "test_xla_kernels_give_the_torch_kernels_bits_for_every_dtype_and_op",
+}
+_WORLD = re.compile(r"^((local|gloo|xla-cpu)-\d+|xla-tpu)$")
+
+
+def _quick(item: pytest.Item) -> tuple | None:
+    """The key under which ``item`` is in the quick tier (a test on replicas:
+    its test and its worlds, the first item of each), or None where it is not."""
+    name = getattr(item, "originalname", item.name)
+    if item.path.name not in QUICK_FILES or name in _SLOW:
+        return None
+    spec = getattr(item, "callspec", None)
+    params = spec.params if spec is not None else {}
+    worlds = tuple(
+        v
+        for k, v in params.items()
+        if (isinstance(v, str) and _WORLD.match(v)) or (k == "world" and isinstance(v, int))
+    )
+    if not all(w in _QUICK_WORLDS for w in worlds):
+        return None
+    if not worlds:  # (no replicas: every case, a doctest per module among them)
+        return item.path.name, item.name
+    return item.path.name, name, worlds
+
+
+def pytest_collection_modifyitems(config, items):
+    seen: set[tuple] = set()
+    for item in items:
+        key = _quick(item)
+        if key is not None and key not in seen:
+            seen.add(key)
+            item.add_marker(pytest.mark.quick)
 
 
 def pytest_sessionfinish(session, exitstatus):
