@@ -1,9 +1,12 @@
 """What type checkers read of the public calls: tests/typing/public_types.py
 asserts the types of typical calls (mypy checks it, as pyproject.toml's
-``files`` says), and a misspelt ``op`` fails the check."""
+``files`` says), a misspelt ``op`` fails the check, and a user's project
+outside the checkout finds xcoll's types through the README's development
+install."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -18,10 +21,11 @@ xcoll.reduce({"loss": torch.ones(1)}, "mean")
 """
 
 
-def _mypy(*args: str, cache) -> subprocess.CompletedProcess[str]:
+def _mypy(*args: str, cache, cwd=ROOT, env=None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(cache), "--no-error-summary", *args],
-        cwd=ROOT,  # (where xcoll is found: this checkout)
+        cwd=cwd,  # (by default where xcoll is found as this checkout)
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -42,3 +46,30 @@ def test_a_misspelt_op_fails_the_type_check(tmp_path_factory, tmp_path):
     errors = [line for line in done.stdout.splitlines() if ": error:" in line]
     assert len(errors) == 1 and "misspelt.py:5:" in errors[0], done.stdout + done.stderr
     assert "\"Literal['avg']\"" in errors[0] and "'sum', 'mean', 'max', 'min', 'prod'" in errors[0]
+
+
+_USER = """
+import torch
+import xcoll
+
+reveal_type(xcoll.reduce(torch.ones(2)))
+"""
+
+
+def test_a_project_outside_the_checkout_finds_the_development_installs_types(
+    tmp_path_factory, tmp_path
+):
+    """The README's ``pip install -e`` (editable_mode=strict) installs a plain
+    path that static checkers read: setuptools' default editable mode installs
+    an import hook instead, which mypy and IDEs cannot follow (xcoll: "Cannot
+    find implementation or library stub", every call Any)."""
+    cache = tmp_path_factory.getbasetemp() / "mypy-cache"
+    (tmp_path / "user.py").write_text(_USER)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
+    done = _mypy("user.py", cache=cache, cwd=tmp_path, env=env)
+    assert done.returncode == 0 and 'Revealed type is "torch._tensor.Tensor"' in done.stdout, (
+        "mypy, run outside the checkout, does not find xcoll's types: install it with the "
+        "README's command (pip install -e '.[test]' --config-settings editable_mode=strict)\n"
+        + done.stdout
+        + done.stderr
+    )
