@@ -84,6 +84,7 @@ def from_wheel(tmp_path_factory, request) -> dict[str, str]:
 QUICK_FILES = {
     "test_api_reference.py",
     "test_check_state.py",
+    "test_compile.py",
     "test_counters.py",
     "test_demo_and_docs.py",
     "test_exact_ints.py",

@@ -7,7 +7,7 @@ Each is one :func:`xcoll._core.call.call` of its op (``_call``); uneven gathers 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, overload
 
 import torch
@@ -30,6 +30,17 @@ def _flags(**flags: Any) -> None:
     for name, value in flags.items():
         if value is not True and value is not False:
             raise TypeError(f"{name} must be a bool (True or False), got {value!r:.80}")
+
+
+def _outside(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run outside any graph that torch.compile traces: a public call
+    traced by Dynamo becomes one graph break around it, and runs as it does
+    eagerly (its collectives, caches and checks cannot be traced: Dynamo would
+    break the graph a dozen times inside, and trace through caches). Reached
+    only while Dynamo traces (``is_dynamo_compiling``), so torch._dynamo,
+    which takes seconds to import, is already loaded."""
+    disabled: Callable[..., Any] = torch.compiler.disable(fn, recursive=True)
+    return disabled
 
 
 _OPS_NAMED = " ".join(f'"{o}"' for o in _ops.OPS)
@@ -175,6 +186,11 @@ def gather(
     >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
     {'x': tensor([1, 2]), 'n': [3]}
     """
+    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+        return _outside(gather)(
+            tree, dim=dim, stack=stack, group=group, sync=sync, to_cpu=to_cpu,
+            uneven=uneven, max_size=max_size, grad=grad, tag=tag,
+        )
     if not (
         stack.__class__ is sync.__class__ is to_cpu.__class__ is uneven.__class__ is grad.__class__ is bool
     ):
@@ -260,6 +276,9 @@ def reduce(
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
     {'loss': tensor(0.5000), 'n': 4}
     """
+    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+        outside: T = _outside(reduce)(tree, op, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag)
+        return outside
     if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
         _flags(sync=sync, to_cpu=to_cpu, grad=grad)
     if op is None and tree is not None:  # (optree reads None as an empty tree, the prefix
@@ -326,6 +345,11 @@ def broadcast(
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
     {'seed': 7, 'w': tensor([1., 1.])}
     """
+    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+        outside: T = _outside(broadcast)(
+            tree, src=src, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
+        )
+        return outside
     if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
         _flags(sync=sync, to_cpu=to_cpu, grad=grad)
     # (a tree of the input's structure and leaf types)
@@ -401,6 +425,9 @@ def sync() -> None:
     >>> import xcoll
     >>> xcoll.sync()  # a world of one: nothing is pending
     """
+    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+        _outside(sync)()
+        return
     transport = _backends.current()
     if transport.world_size() == 1:
         transport.sync()
