@@ -66,7 +66,7 @@ def from_wheel(tmp_path_factory, request) -> dict[str, str]:
     checkout (its cwd elsewhere) imports xcoll as its wheel installs it:
     none where xcoll is installed from it (.ci/run's newest-torch
     environment), else ``PYTHONPATH`` to this checkout's wheel, unpacked
-    (an editable install's finder comes after it)."""
+    (an editable install's path comes after it)."""
     if installed_from_wheel():
         return {}
     import zipfile

@@ -161,5 +161,7 @@ def installed_from_wheel() -> bool:
     found = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=60
     )
-    origin = found.stdout.strip()
-    return found.returncode == 0 and not origin.startswith(str(ROOT / "xcoll"))
+    # (the README's editable install, editable_mode=strict, is a tree of links
+    # to this checkout's files: resolved, they are this checkout's)
+    origin = os.path.realpath(found.stdout.strip())
+    return found.returncode == 0 and not origin.startswith(os.path.realpath(ROOT / "xcoll"))
