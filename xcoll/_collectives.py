@@ -1,8 +1,8 @@
 """The public collectives: ``gather``, ``reduce``, ``broadcast``, and the
 replica's ``rank``, ``world_size`` and ``sync``.
 
-Each is one :func:`xcoll._core.call.call` of its op (``_call``); uneven gathers are
-``_uneven``'s.
+Each builds its op (:mod:`xcoll._core.ops`; an uneven gather's is
+``_uneven``'s) and runs it with :func:`xcoll._core.grad.call`.
 """
 
 from __future__ import annotations

@@ -77,18 +77,6 @@ def prepare(op: Op, tree: Any, group: Any, sync: bool, to_cpu: bool) -> Prepared
         error = flat = tree = plan = None  # noqa: F841
 
 
-def call(
-    op: Op, tree: Any, group: Any, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
-) -> Any:
-    """A public call without ``grad`` (:func:`xcoll._core.grad.call` runs
-    every public call): ``tree`` flattened once, its backend resolved once,
-    the plan taken from the cache (or built, which validates), the
-    consistency check when due (a local error is shared with every replica),
-    then run with the guard (``_guard``) unless the mode is "never". ``tag``:
-    the call's own step tag (:mod:`xcoll._guard.steps`)."""
-    return called(op, prepare(op, tree, group, sync, to_cpu), sync=sync, to_cpu=to_cpu, tag=tag)[0]
-
-
 def called(
     op: Op, p: Prepared, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
 ) -> tuple[Any, Any, _guard.Signature | None]:

@@ -147,8 +147,9 @@ def _identity(forward: _guard.Signature | None) -> _steps.Identity:
 
 
 def call(op: _ops.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: Any) -> Any:
-    """A public call of ``op`` on ``tree`` (:func:`xcoll._core.call.call`):
-    with ``op.grad``, its outputs differentiable. The tree is flattened and
+    """A public call of ``op`` on ``tree`` (:func:`xcoll._core.call.prepare`,
+    then :func:`~xcoll._core.call.called`): with ``op.grad``, its outputs
+    differentiable. The tree is flattened and
     its backend resolved once either way."""
     p = _call.prepare(op, tree, group, sync, to_cpu)
     if not op.grad or p.error is not None:  # (an error is raised by the call, on every replica)

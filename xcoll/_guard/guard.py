@@ -92,10 +92,11 @@ class Signature:
 
     def header(self, dtype: torch.dtype, op: Rules, how: str, world: int) -> Header:
         """The call's :class:`Header` for collective ``op`` (kept per signature, unless tagged)."""
-        key = (self.fingerprint(), dtype, op.__class__, how, world)
+        fingerprint = self.fingerprint()  # (a tagged call's is a digest made per call)
         if self.tag:
-            return _build(self.fingerprint(), dtype, op, how, world)
-        return _headers.get(key, lambda: _build(key[0], dtype, op, how, world))
+            return _build(fingerprint, dtype, op, how, world)
+        key = (fingerprint, dtype, op.__class__, how, world)
+        return _headers.get(key, lambda: _build(fingerprint, dtype, op, how, world))
 
     def uploaded(self, transport: Transport, h: Header, op: Rules) -> torch.Tensor:
         """``h.part`` on ``transport``'s device, uploaded once per untagged

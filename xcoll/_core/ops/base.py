@@ -187,7 +187,8 @@ class Packed(Op):
     joins: bool = True
 
     def how(self, plan: Plan, transport: Transport) -> str:
-        """How the collective combines the guard header (:func:`xcoll._guard.guard.values`)."""
+        """How the collective combines the guard header ("" where its bytes
+        arrive as sent; :func:`xcoll._guard.guard.own_size`)."""
         return ""
 
     def header_dtype(self, plan: Plan) -> torch.dtype:
