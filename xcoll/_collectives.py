@@ -122,8 +122,10 @@ def gather(
         sync: run the call now (on XLA: one graph execution, with the caller's
             pending work; a call of at most 4 KiB runs the pending work, then
             one all-gather program that every such call shares:
-            docs/design.md). With ``False`` nothing is executed: the collectives
-            join the caller's pending graph (tensor leaves only; on eager
+            docs/design.md). With ``False`` nothing is executed (but for a move
+            of more than 1024 leaves of one dtype, which packs those that are
+            data first, in chunks, in programs without collectives:
+            docs/design.md): the collectives join the caller's pending graph (tensor leaves only; on eager
             backends the call completes anyway), and the guard is read after
             the caller's next sync (``xcoll.sync()``), which raises
             :class:`xcoll.CollectiveMismatchError` where the calls differed.
