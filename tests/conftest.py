@@ -113,7 +113,7 @@ _QUICK_WORLDS = {"local-1", "gloo-2", "xla-cpu-2", 2}
 #: the quick tier's other tests run too.
 _SLOW = {
     "test_a_first_call_on_a_subgroup_is_not_one_on_the_world",
-    "test_a_first_gather_of_thousands_of_leaves_compiles_a_few_programs",
+    "test_a_first_call_of_thousands_of_leaves_compiles_a_few_programs",
     "test_a_replica_in_mode_never_among_checked_ones_is_told_so",
     "test_a_replica_that_skips_the_call_is_an_error_within_bounds",
     "test_after_an_overlap_an_xla_replica_makes_no_more_collectives",

@@ -1,14 +1,16 @@
-"""A move of many leaves on XLA: a segment of more than ``CHUNKED_FROM``
-leaves of one dtype is packed in chunks, each chunk's program compiled once
+"""A call of many leaves on XLA: a move's segment (a reduce's bucket) of
+more than ``CHUNKED_FROM`` leaves of one dtype is packed in chunks, each chunk's program compiled once
 for every chunk of its shapes and run before the call's (XLA:CPU compiles
 one computation of N parameters in time that grows faster than N: a first
 gather of 10,000 leaves took minutes). The results are the same bits."""
 
 from __future__ import annotations
 
-import math
+import contextlib
+from collections.abc import Iterator
 
 import optree
+import pytest
 import torch
 
 import xcoll
@@ -29,6 +31,11 @@ def _tree(n: int, width: int = 2) -> dict:
         "e": torch.zeros(0, 4),
         "step": 10 + r,
     }
+    # (a reduce widens the int16 leaves into the int32 bucket: merged)
+    ints = {
+        f"i{j}": torch.arange(3, dtype=torch.int32 if j < 3 else torch.int16) + r for j in range(5)
+    }
+    other["ints"] = ints
     return {"floats": floats, "other": other}
 
 
@@ -47,10 +54,30 @@ def _bits(tree) -> list[tuple[str, bytes]]:
     ]
 
 
-def _small_chunks(_):
-    """Each call of a tree of 11 float32 leaves, packed whole and in chunks of
-    3 (``CHUNKED_FROM`` 4), on every replica: the same bits."""
+@contextlib.contextmanager
+def _chunks_of(size: int, above: int) -> Iterator[None]:
+    """Within the block, chunks of ``size`` parts from ``above`` parts, on
+    every replica: the replica threads share the module, so rank 0 sets the
+    values and restores them, between barriers."""
     from xcoll._backends import xla
+
+    saved = xla.CHUNK, xla.CHUNKED_FROM
+    xcoll.barrier("chunks set")
+    if xcoll.rank() == 0:
+        xla.CHUNK, xla.CHUNKED_FROM = size, above
+    xcoll.barrier("chunks in force")
+    try:
+        yield
+    finally:
+        xcoll.barrier("chunks done")
+        if xcoll.rank() == 0:
+            xla.CHUNK, xla.CHUNKED_FROM = saved
+
+
+def _small_chunks(_):
+    """Each call of a tree of 11 float32 leaves (and 5 integer ones that a
+    reduce merges), packed whole and in chunks of 3 (``CHUNKED_FROM`` 4), on
+    every replica: the same bits."""
 
     dev = device()
     tree = to_device(_tree(11, 128), dev)  # (above the hosted size)
@@ -60,88 +87,89 @@ def _small_chunks(_):
         lambda: xcoll.gather(tree, stack=True, to_cpu=True),
         lambda: xcoll.broadcast(tree, src=1),
         lambda: xcoll.broadcast(tree, src=0, to_cpu=True),
+        lambda: xcoll.reduce(tree, "max"),
+        lambda: xcoll.reduce(tree["floats"], "mean", to_cpu=True),
+        lambda: xcoll.reduce(tree["other"]["ints"], "sum"),
     ]
     whole = [_bits(f()) for f in calls]
-    saved = xla.CHUNKED_FROM, xla.CHUNK
-    xla.CHUNKED_FROM, xla.CHUNK = 4, 3
-    try:
+    with _chunks_of(3, above=4):
         chunked = [_bits(f()) for f in calls]
-    finally:
-        xla.CHUNKED_FROM, xla.CHUNK = saved
     return [a == b for a, b in zip(whole, chunked, strict=True)]
 
 
 def test_a_move_packed_in_chunks_gives_the_same_bits():
     pool = shared_pool("xla-cpu-2")
-    assert pool.run(_small_chunks, [None, None]) == [[True] * 5] * 2
+    assert pool.run(_small_chunks, [None, None]) == [[True] * 8] * 2
 
 
 _STATE: dict[int, dict] = {}
 
 
-def _first_call(n):
+def _first_call(args):
+    n, op = args
     dev = device()
     tree = to_device(_tree(n), dev)
+    if op == "reduce":  # (a sum: of the float leaves and the 0-d one)
+        tree = {"floats": tree["floats"], "other": {"z": tree["other"]["z"]}}
+    call = getattr(xcoll, op)
     xcoll.sync()
     xcoll.gather(xcoll.rank())  # (a replica's first call is checked: not the measured one)
     before = counters()
-    out = xcoll.gather(tree, to_cpu=True)
+    out = call(tree, to_cpu=True)
     xcoll.barrier("counted")
     first = counters()
-    xcoll.gather(tree, to_cpu=True)
+    call(tree, to_cpu=True)
     xcoll.barrier("counted again")
     second = counters()
-    r = xcoll.rank()
-    exact = (
-        all(
-            torch.equal(out["floats"][f"f{i}"], torch.tensor([i, -i, i + 0.5, -i]))
-            for i in range(1, n)
-        )
-        and out["other"]["step"] == [10, 11]
-        and r in (0, 1)
-    )
+
+    def expected(i: int) -> list[float]:
+        return [i, -i, i + 0.5, -i] if op == "gather" else [2 * i + 0.5, -2 * i]
+
+    exact = all(
+        torch.equal(out["floats"][f"f{i}"], torch.tensor(expected(i))) for i in range(1, n)
+    ) and torch.equal(out["other"]["z"], torch.tensor([7.0, 8.0] if op == "gather" else 15.0))
     diff = lambda a, b: {k: b[k] - a[k] for k in ("executions", "compiles")}  # noqa: E731
-    return exact, diff(before, first), diff(first, second)
-
-
-def test_a_first_gather_of_thousands_of_leaves_compiles_a_few_programs():
-    # 3,000 float32 leaves: 6 chunks (5 of 512, one of 440), so at most three
-    # programs, each compiled once (a replica may compile one that the other
-    # compiled meanwhile: at most twice), run with the call's own; a second
-    # call compiles nothing.
     from xcoll._backends import xla
 
-    n = 3000
+    # (the call's own join, or encoding, took a chunk's buffer as a part)
+    own = xla.Join if op == "gather" else xla.EncodeReduce
+    keys = [k for k in list(xla._computations._values) if isinstance(k, own)]
+    layouts = [k.joined.shapes if op == "gather" else k.shapes for k in keys]
+    chunked = any((2 * xla.CHUNK,) in shapes for layout in layouts for shapes in layout)
+    return exact, chunked, diff(before, first), diff(first, second)
+
+
+@pytest.mark.parametrize("op", ["gather", "reduce"])
+def test_a_first_call_of_thousands_of_leaves_compiles_a_few_programs(op):
+    # 3,000 float32 leaves and a 0-d one (re-uploaded: pending): 5 chunks of
+    # 512 packed ahead, each by one program; the last 440 leaves and the 0-d
+    # one stay parts of the call's own program (a pending leaf stays in its
+    # chunk). At most three programs then (gather's and reduce's packs are
+    # the same program), each compiled once (a replica may compile one that
+    # the other compiled meanwhile: at most twice), and a second call
+    # compiles nothing. (torch_xla counts an execution when it ends, so the
+    # chunks' executions, run asynchronously, are not counted here.)
     pool = shared_pool("xla-cpu-2")
-    chunks = math.ceil(n / xla.CHUNK)
-    results = pool.run(_first_call, [n, n])
-    for exact, first, second in results:
-        assert exact
+    for exact, chunked, first, second in pool.run(_first_call, [(3000, op)] * 2):
+        assert exact and chunked
         assert first["compiles"] <= 2 * 3, first
         assert second["compiles"] == 0, second
-        # (process-wide counts: both replicas' executions, and barriers')
-        assert first["executions"] >= 2 * (chunks + 1), first
 
 
 def _pending(_):
     """A ``sync=False`` gather of 11 pending leaves, chunked from 4: nothing
     runs before the caller's sync (a chunk's program would run the caller's
     pending work again), and the values are right after it."""
-    from xcoll._backends import xla
 
     dev = device()
     tree = to_device(_tree(11, 128), dev)["floats"]
     xcoll.sync()
-    saved = xla.CHUNKED_FROM, xla.CHUNK
-    xla.CHUNKED_FROM, xla.CHUNK = 4, 3
-    try:
+    with _chunks_of(3, above=4):
         pending = {k: v * 2 for k, v in tree.items()}
         before = counters()["executions"]
         out = xcoll.gather(pending, sync=False)
         ran = counters()["executions"] - before
-    finally:
-        xla.CHUNKED_FROM, xla.CHUNK = saved
-    xcoll.sync()
+        xcoll.sync()
     r = xcoll.rank()
     whole = xcoll.gather({k: v * 2 for k, v in tree.items()}, to_cpu=True)
     return ran, _bits(out) == _bits(whole) and r in (0, 1)

@@ -122,7 +122,7 @@ def gather(
         sync: run the call now (on XLA: one graph execution, with the caller's
             pending work; a call of at most 4 KiB runs the pending work, then
             one all-gather program that every such call shares:
-            docs/design.md). With ``False`` nothing is executed (but for a move
+            docs/design.md). With ``False`` nothing is executed (but for a call
             of more than 1024 leaves of one dtype, which packs those that are
             data first, in chunks, in programs without collectives:
             docs/design.md): the collectives join the caller's pending graph (tensor leaves only; on eager

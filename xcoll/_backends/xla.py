@@ -326,61 +326,61 @@ class Join(_Computation):
         return xb.Op.tuple([raw.reshape([joined.words, 4]).bitcast(xb.Type.S32)])
 
 
-#: A move's segment of more than :data:`CHUNKED_FROM` parts (leaves of one
-#: dtype) is joined from chunks of :data:`CHUNK` parts, each packed (where
-#: its parts are data) in an execution of its own (:class:`Pack`) before the
-#: call's: XLA:CPU compiles a
-#: computation of N parameters in time that grows faster than N (a
-#: concatenation of 1,000 leaves 3.8 s, of 3,000 14 s), and a chunk's program
-#: is compiled once for all the chunks of the same shapes.
+#: A move's segment, or a reduce's bucket, of more than :data:`CHUNKED_FROM`
+#: parts (leaves of one dtype) is packed from chunks of :data:`CHUNK` parts,
+#: each (where its parts are data) in an execution of its own (:class:`Pack`)
+#: before the call's: XLA:CPU compiles a computation of N parameters in time
+#: that grows faster than N (a concatenation of 1,000 leaves 3.8 s, of 3,000
+#: 14 s), and a chunk's program is compiled once for all the chunks of the
+#: same shapes.
 CHUNKED_FROM = 1024
 CHUNK = 512
 
 
 @dataclass(frozen=True)
 class Pack(_Computation):
-    """A chunk of a segment's parts (of ``shapes``), each in its wire dtype
-    for ``dtype`` (:func:`_encode`), joined into one 1-d buffer."""
+    """A chunk of a bucket's parts (of dtypes ``own`` and ``shapes``), each
+    converted to ``dtype`` (exactly: a merged bucket's narrower parts) and
+    encoded in its wire dtype (:func:`_encode`), joined into one 1-d buffer."""
 
     NAME = "xcoll_pack"
     dtype: torch.dtype
+    own: tuple[torch.dtype, ...]
     shapes: tuple[tuple[int, ...], ...]
 
     def body(self, *params):
-        return xb.Op.tuple([_join([_encode(q, self.dtype) for q in params], self.shapes)])
+        to = _XLA_TYPES[self.dtype]
+        typed = [q if d == self.dtype else q.cast(to) for q, d in zip(params, self.own, strict=True)]
+        return xb.Op.tuple([_join([_encode(q, self.dtype) for q in typed], self.shapes)])
 
 
-def _chunked(segments, joined: _pack.Joined):
-    """``segments`` and ``joined`` with each segment of more than
-    :data:`CHUNKED_FROM` parts packed by chunks: a chunk whose parts are all
-    data as its packed buffer (run now, its own program: no collective in
-    it), which :class:`Join` joins as it would the parts (a wire-typed part
-    encodes as itself). A chunk with a pending part stays parts: its graph
-    (the caller's work) would run again in the chunk's program, and with it
-    the caller's step in a call with ``sync=False``."""
-    out, shapes = [], []
-    for parts, dtype, part_shapes in zip(segments, joined.dtypes, joined.shapes, strict=True):
-        if len(parts) <= CHUNKED_FROM:
-            out.append(parts)
-            shapes.append(part_shapes)
+def _chunked(parts, shapes, dtype: torch.dtype):
+    """A bucket's ``parts`` (of ``shapes``), their shapes and their dtypes,
+    with each chunk of :data:`CHUNK` parts that are all data replaced by the
+    chunk's packed buffer (run now, a program of its own: no collective in
+    it), which :class:`Join` and :class:`EncodeReduce` take as a part of
+    ``dtype`` (its wire form encodes as itself). A chunk with a pending part
+    stays parts: its graph (the caller's work) would run again in the
+    chunk's program, and with it the caller's step in a call with
+    ``sync=False``. Parts without elements are left out (no bytes)."""
+    live = [(t, s) for t, s in zip(parts, shapes, strict=True) if _pack.numel(s)]
+    out: list[torch.Tensor] = []
+    out_shapes: list[tuple[int, ...]] = []
+    own: list[torch.dtype] = []
+    for a in range(0, len(live), CHUNK):
+        tensors = [t for t, _ in live[a : a + CHUNK]]
+        chunk_shapes = tuple(s for _, s in live[a : a + CHUNK])
+        if _xlac.data_handles(tensors) is None:
+            out += tensors
+            out_shapes += chunk_shapes
+            own += [t.dtype for t in tensors]
             continue
-        live = [(t, s) for t, s in zip(parts, part_shapes, strict=True) if _pack.numel(s)]
-        seg: list[torch.Tensor] = []
-        seg_shapes: list[tuple[int, ...]] = []
-        for a in range(0, len(live), CHUNK):
-            chunk = live[a : a + CHUNK]
-            tensors, chunk_shapes = [t for t, _ in chunk], tuple(s for _, s in chunk)
-            if _xlac.data_handles(tensors) is None:
-                seg += tensors
-                seg_shapes += chunk_shapes
-                continue
-            buf = Pack(dtype, chunk_shapes)(tensors)[0]
-            step(buf.device, [buf])
-            seg.append(buf)
-            seg_shapes.append((int(buf.shape[0]),))
-        out.append(seg)
-        shapes.append(tuple(seg_shapes))
-    return out, dataclasses.replace(joined, shapes=tuple(shapes))
+        buf = Pack(dtype, tuple(t.dtype for t in tensors), chunk_shapes)(tensors)[0]
+        step(buf.device, [buf])
+        out.append(buf)
+        out_shapes.append((int(buf.shape[0]),))
+        own.append(dtype)
+    return out, tuple(out_shapes), own
 
 
 @dataclass(frozen=True)
@@ -508,14 +508,28 @@ class XlaKernels(Kernels):
 
     def encode_reduce(self, parts, shapes, dtypes, ops):
         # packed and encoded in one computation: one graph node per call
+        # (a bucket of many parts: of their chunks, :func:`_chunked`)
+        owns = [[t.dtype for t in p] for p in parts]
+        if any(len(p) > CHUNKED_FROM for p in parts):
+            chunked = [
+                _chunked(p, s, d) if len(p) > CHUNKED_FROM else (p, s, o)
+                for p, s, d, o in zip(parts, shapes, dtypes, owns, strict=True)
+            ]
+            parts, shapes, owns = (list(x) for x in zip(*chunked, strict=True))
         flat = [t for p in parts for t in p]
-        own = tuple(t.dtype for t in flat)
-        shapes = tuple(tuple(s) for s in shapes)
+        own = tuple(d for o in owns for d in o)
+        shapes = tuple(tuple(tuple(s) for s in b) for b in shapes)
         return EncodeReduce(tuple(dtypes), tuple(ops), own, shapes)(flat)
 
     def join(self, segments, joined):
         if any(len(parts) > CHUNKED_FROM for parts in segments):
-            segments, joined = _chunked(segments, joined)
+            # (of a segment of many parts: its chunks' buffers, :func:`_chunked`)
+            chunked = [
+                _chunked(p, s, d)[:2] if len(p) > CHUNKED_FROM else (p, s)
+                for p, s, d in zip(segments, joined.shapes, joined.dtypes, strict=True)
+            ]
+            segments = [p for p, _ in chunked]
+            joined = dataclasses.replace(joined, shapes=tuple(s for _, s in chunked))
         flat = list(itertools.chain.from_iterable(segments))
         if joined.empty:  # (empty parts are no parameters)
             flat = [
