@@ -508,16 +508,18 @@ class XlaKernels(Kernels):
 
     def encode_reduce(self, parts, shapes, dtypes, ops):
         # packed and encoded in one computation: one graph node per call
-        # (a bucket of many parts: of their chunks, :func:`_chunked`)
-        owns = [[t.dtype for t in p] for p in parts]
+        # (a bucket of many parts: of their chunks, :func:`_chunked`; a
+        # chunk's buffer is a part of its bucket's dtype)
+        flat = [t for p in parts for t in p]
+        own = tuple(t.dtype for t in flat)
         if any(len(p) > CHUNKED_FROM for p in parts):
             chunked = [
-                _chunked(p, s, d) if len(p) > CHUNKED_FROM else (p, s, o)
-                for p, s, d, o in zip(parts, shapes, dtypes, owns, strict=True)
+                _chunked(p, s, d) if len(p) > CHUNKED_FROM else (p, s, [t.dtype for t in p])
+                for p, s, d in zip(parts, shapes, dtypes, strict=True)
             ]
             parts, shapes, owns = (list(x) for x in zip(*chunked, strict=True))
-        flat = [t for p in parts for t in p]
-        own = tuple(d for o in owns for d in o)
+            flat = [t for p in parts for t in p]
+            own = tuple(d for o in owns for d in o)
         shapes = tuple(tuple(tuple(s) for s in b) for b in shapes)
         return EncodeReduce(tuple(dtypes), tuple(ops), own, shapes)(flat)
 
