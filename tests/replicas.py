@@ -6,6 +6,7 @@ inline, for a world of one).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -107,3 +108,36 @@ def counters() -> dict[str, int]:
     data = met.metric_data("TransferFromDeviceTime")
     c["transfers_from_device"] = int(data[0]) if data else 0
     return c
+
+
+#: The process group's collectives that xcoll's torch.distributed backend
+#: calls (:mod:`xcoll._backends.dist`), by method name.
+PG_COLLECTIVES = ("allreduce", "_allgather_base", "allgather", "broadcast")
+
+
+@contextlib.contextmanager
+def engine_calls():
+    """Within the block, every call of a process group's collective methods
+    (:data:`PG_COLLECTIVES`, on every group of this process) is recorded, as
+    ``(method name, first tensor)``, in the list the block gets: what the
+    engine was asked to do, whichever path asked it."""
+    import torch.distributed as dist
+
+    calls: list[tuple[str, torch.Tensor]] = []
+    originals = {name: getattr(dist.ProcessGroup, name) for name in PG_COLLECTIVES}
+
+    def recording(name):
+        def call(pg, tensors, *args, **kwargs):
+            first = tensors if isinstance(tensors, torch.Tensor) else tensors[0]
+            calls.append((name, first))
+            return originals[name](pg, tensors, *args, **kwargs)
+
+        return call
+
+    for name in PG_COLLECTIVES:
+        setattr(dist.ProcessGroup, name, recording(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist.ProcessGroup, name, fn)

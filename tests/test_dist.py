@@ -3,6 +3,7 @@ one collective call per bucket, sub-groups, and the same results as XLA."""
 
 from __future__ import annotations
 
+import collections
 import os
 
 import hypothesis.strategies as st
@@ -15,7 +16,7 @@ from hypothesis import given
 import xcoll
 from tests import strategies as S
 from tests.helpers import PROPERTY, assert_trees, same_bits, same_values
-from tests.replicas import device, shared_pool, to_cpu, to_device
+from tests.replicas import device, engine_calls, shared_pool, to_cpu, to_device
 from xcoll.testing import GlooPool
 
 _pools: dict[int, GlooPool] = {}
@@ -93,31 +94,19 @@ def test_same_values_as_accelerate(gloo, run, data):
 
 # ---- one collective call per bucket ---------------------------------------------------
 
-# the all-gather into one tensor, by the name this torch calls it (xcoll's
-# DistTransport uses all_gather_single where it exists: newer torch deprecates
-# all_gather_into_tensor)
-GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-_COUNTED = (GATHER, "all_gather", "all_reduce", "broadcast")
+# the process group's collectives, by the method xcoll's DistTransport calls
+# (tests/replicas.py: engine_calls)
+GATHER = "_allgather_base"
 
 
 def _count_calls(n_leaves, big=2, widen=None):
     """Calls xcoll on a tree of ``n_leaves`` leaves of 5 dtypes (the first of
     ``big`` rows, the others of 2) with the process group's collectives
-    wrapped (and ``Tuning.widen`` set to ``widen``, if given), and returns how
+    recorded (and ``Tuning.widen`` set to ``widen``, if given), and returns how
     often each was called."""
     from xcoll._core import ops as _ops
 
     xcoll.gather(xcoll.rank())  # a process's first call is checked in full: not counted here
-    counts = dict.fromkeys(_COUNTED, 0)
-    originals = {name: getattr(dist, name) for name in _COUNTED}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
     dtypes = [torch.float32, torch.int64, torch.bfloat16, torch.int32, torch.uint8]
     tree = {
         f"x{i:03d}": torch.full(
@@ -126,30 +115,24 @@ def _count_calls(n_leaves, big=2, widen=None):
         for i in range(n_leaves)
     }
     calls = {}
-    for name in _COUNTED:
-        setattr(dist, name, counting(name))
-    try:
-        with _ops.tuned(**({} if widen is None else {"widen": widen})):
-            for what, fn in [
-                ("gather", lambda: xcoll.gather(tree)),
-                ("sum", lambda: xcoll.reduce(tree, "sum")),
-                (
-                    "mean+max",
-                    lambda: xcoll.reduce(
-                        tree,
-                        {k: ("mean" if v.is_floating_point() else "max") for k, v in tree.items()},
-                    ),
+    with engine_calls() as engine, _ops.tuned(**({} if widen is None else {"widen": widen})):
+        for what, fn in [
+            ("gather", lambda: xcoll.gather(tree)),
+            ("sum", lambda: xcoll.reduce(tree, "sum")),
+            (
+                "mean+max",
+                lambda: xcoll.reduce(
+                    tree,
+                    {k: ("mean" if v.is_floating_point() else "max") for k, v in tree.items()},
                 ),
-                ("broadcast", lambda: xcoll.broadcast(tree, src=xcoll.world_size() - 1)),
-            ]:
-                before = dict(counts)
-                out = fn()
-                calls[what] = {k: counts[k] - before[k] for k in counts if counts[k] != before[k]}
-                for key, got in out.items():  # and the values, on every rank
-                    assert torch.equal(got, _expected(what, tree[key], int(key[1:]))), (what, key)
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+            ),
+            ("broadcast", lambda: xcoll.broadcast(tree, src=xcoll.world_size() - 1)),
+        ]:
+            start = len(engine)
+            out = fn()
+            calls[what] = dict(collections.Counter(name for name, _ in engine[start:]))
+            for key, got in out.items():  # and the values, on every rank
+                assert torch.equal(got, _expected(what, tree[key], int(key[1:]))), (what, key)
     return calls
 
 
@@ -172,8 +155,8 @@ def test_one_collective_call_per_move_and_per_reduced_bucket(gloo, n_leaves):
         "gather": {GATHER: 1},  # every dtype in one buffer
         # bfloat16 joins float32 (it accumulates in float32 anyway), int32 and
         # uint8 join int64 (every value fits; sums wrap the same once cast back)
-        "sum": {"all_reduce": 2},
-        "mean+max": {"all_reduce": 2},  # float32 and bfloat16 mean, the integers' max
+        "sum": {"allreduce": 2},
+        "mean+max": {"allreduce": 2},  # float32 and bfloat16 mean, the integers' max
         "broadcast": {"broadcast": 1},
     }
     assert gloo.run(_count_calls, [n_leaves] * gloo.world_size) == [expected] * gloo.world_size
@@ -201,25 +184,15 @@ def _wrapping(_):
         dist.all_reduce(x, reduce_op[op])
         return x.bool() if t.dtype == torch.bool else x
 
-    calls = [0]
-    all_reduce = dist.all_reduce
     out = []
     for op in ("sum", "prod", "max", "min"):
         x = tree | (flags if op in ("max", "min") else {})
         expected = {k: per_leaf(t, op) for k, t in x.items()}
         got = []
         for widen in (_ops.Tuning().widen, 0):
-            dist.all_reduce = lambda *a, **k: (
-                calls.__setitem__(0, calls[0] + 1),
-                all_reduce(*a, **k),
-            )[1]
-            try:
-                with _ops.tuned(widen=widen):
-                    start = calls[0]
-                    result = xcoll.reduce(x, op)
-                    got.append(calls[0] - start)
-            finally:
-                dist.all_reduce = all_reduce
+            with engine_calls() as engine, _ops.tuned(widen=widen):
+                result = xcoll.reduce(x, op)
+            got.append(sum(name == "allreduce" for name, _ in engine))
             got.append(
                 all(
                     torch.equal(result[k], v) and result[k].dtype == v.dtype
@@ -269,12 +242,6 @@ def _each_widest(_):
     r, w = xcoll.rank(), xcoll.world_size()
     fold = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
     bools = {"prod": torch.logical_and, "max": torch.logical_or, "min": torch.logical_and}
-    calls = [0]
-    all_reduce = dist.all_reduce
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return all_reduce(*a, **k)
 
     def per_leaf(d, op):
         f = bools[op] if d == torch.bool else fold[op]
@@ -295,14 +262,9 @@ def _each_widest(_):
             expected = {k: per_leaf(t.dtype, op) for k, t in tree.items()}
             got = [str(widest).removeprefix("torch."), op]
             for widen in (_ops.Tuning().widen, 0):
-                dist.all_reduce = counted
-                try:
-                    with _ops.tuned(widen=widen):
-                        start = calls[0]
-                        result = xcoll.reduce(tree, op)
-                        got.append(calls[0] - start)
-                finally:
-                    dist.all_reduce = all_reduce
+                with engine_calls() as engine, _ops.tuned(widen=widen):
+                    result = xcoll.reduce(tree, op)
+                got.append(sum(name == "allreduce" for name, _ in engine))
                 same = [torch.equal(result[k], e) for k, e in expected.items()]
                 got.append(all(same) and all(result[k].dtype == tree[k].dtype for k in tree))
             out.append(tuple(got))
@@ -332,8 +294,8 @@ def _count_unwidened(_):
 def test_integers_too_large_to_widen_keep_their_own_collective(gloo):
     expected = {
         "gather": {GATHER: 1},
-        "sum": {"all_reduce": 4},  # float32 with bfloat16; int64, int32, uint8 each
-        "mean+max": {"all_reduce": 4},
+        "sum": {"allreduce": 4},  # float32 with bfloat16; int64, int32, uint8 each
+        "mean+max": {"allreduce": 4},
         "broadcast": {"broadcast": 1},
     }
     assert gloo.run(_count_unwidened, [None] * gloo.world_size) == [expected] * gloo.world_size
@@ -350,8 +312,8 @@ def test_a_large_leaf_travels_alone_after_the_rest(gloo):
     # x000 (float32, 256 x 3: 3 KiB) alone; the header, x001 and x002 in one buffer
     expected = {
         "gather": {GATHER: 2},
-        "sum": {"all_reduce": 2},
-        "mean+max": {"all_reduce": 2},
+        "sum": {"allreduce": 2},
+        "mean+max": {"allreduce": 2},
         "broadcast": {"broadcast": 2},
     }
     assert gloo.run(_count_alone, [None] * gloo.world_size) == [expected] * gloo.world_size

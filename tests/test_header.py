@@ -13,11 +13,10 @@ import hashlib
 import hypothesis.strategies as st
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import example, given, settings
 
 import xcoll
-from tests.replicas import shared_pool
+from tests.replicas import engine_calls, shared_pool
 from xcoll._backends.base import TORCH
 from xcoll._core import ops as _ops
 from xcoll._core import tree as _tree
@@ -42,7 +41,9 @@ def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> l
     distinct = list(dict.fromkeys(prints))
     headers = {p: _guard._build(p, dtype, _OP[kind], how, w) for p in distinct}
     if kind == "reduce":
-        encoded = {p: _wire.encode_reduce(h.part.clone(), how, TORCH.bitcast) for p, h in headers.items()}
+        encoded = {
+            p: _wire.encode_reduce(h.part.clone(), how, TORCH.bitcast) for p, h in headers.items()
+        }
     else:
         encoded = {p: _wire.encode_move(h.part, TORCH.bitcast) for p, h in headers.items()}
     wires = [encoded[p] for p in prints]
@@ -92,7 +93,9 @@ def test_a_verdict_passes_on_every_replica_or_on_none(world, differ, bit, seed):
 @settings(deadline=None)
 @example(offsets=[-1, 0, 1], n=(1 << 40) + 2)  # a sum of v alone: 3 v at W=3
 @example(offsets=[-2, 1, 1, 0], n=6)
-@given(offsets=st.lists(st.integers(-3, 3), min_size=1, max_size=9), n=st.integers(0, (1 << 64) - 1))
+@given(
+    offsets=st.lists(st.integers(-3, 3), min_size=1, max_size=9), n=st.integers(0, (1 << 64) - 1)
+)
 def test_fingerprints_whose_values_sum_alike_pass_on_no_replica(offsets, n):
     """Replica r's fingerprint is ``n + offsets[r]``: values spread around one
     replica's so that their sum is W times it (a header of ``v`` alone, or of
@@ -164,22 +167,12 @@ def _sent(_):
     """The elements of each all-reduce of a 1-element float32 reduce (guarded,
     then in mode never), on a group whose first call has been made."""
     xcoll.gather(xcoll.rank())  # (a group's first call is checked in full)
-    sent = []
-    original = dist.all_reduce
-
-    def counting(t, *args, **kwargs):
-        sent.append(t.numel())
-        return original(t, *args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
+    with engine_calls() as engine:
         x = torch.tensor([1.5 + xcoll.rank()])
         got = [xcoll.reduce(x).item()]
         with xcoll.consistency_checks("never"):
             got.append(xcoll.reduce(x).item())
-    finally:
-        dist.all_reduce = original
-    return sent, got
+    return [t.numel() for name, t in engine if name == "allreduce"], got
 
 
 @pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])

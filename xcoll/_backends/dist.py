@@ -1,6 +1,13 @@
 """torch.distributed backend (gloo, nccl, ...): eager collectives, started
 asynchronously and waited for once per call.
 
+Each collective is the process group's own method (``pg.allreduce``,
+``pg._allgather_base``, ``pg.broadcast``), as ``dist.all_reduce`` and its
+peers call it after their checks: those checks hold for every xcoll buffer
+(one dense, non-complex tensor, on a group of which this process is a
+member), and their wrappers (logging, torch-function dispatch, checks) made
+most of a small call's host work.
+
 Gloo has no int16 collectives (and so none for the bits of float16/bfloat16):
 moves send int16 buffers as their bytes, reductions widen them to int32, which
 keeps sums and products exact modulo 2**16, as the dtype wraps.
@@ -8,6 +15,7 @@ keeps sums and products exact modulo 2**16, as the dtype wraps.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d  # (the options of the group's calls)
 
 from .base import EngineError, Transport
 
@@ -28,12 +37,25 @@ _WIDER = {torch.int16: torch.int32}
 _CPU = torch.device("cpu")
 
 
-def _all_gather_single() -> Callable[..., Any]:
-    """torch.distributed's all-gather into one tensor: ``all_gather_single``
-    where torch has it (newer torch deprecates the old name with a
-    FutureWarning), else ``all_gather_into_tensor`` (torch 2.9). Looked up at
-    each call, as tests wrap it there."""
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _options(cls: Any, **fields: Any) -> Any:
+    """A collective's options, as ``dist``'s own calls make them (async: the
+    call waits for its collectives once, in :meth:`DistTransport.wait`)."""
+    options = cls()
+    options.asyncOp = True
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
+
+
+# (made once: the process group reads them and keeps nothing)
+_REDUCE = {name: _options(_c10d.AllreduceOptions, reduceOp=op) for name, op in _OPS.items()}
+_GATHER = _options(_c10d.AllgatherOptions)
+
+
+@functools.cache
+def _broadcast_from(src: int) -> Any:
+    """A broadcast's options from ``src`` (a rank of the group)."""
+    return _options(_c10d.BroadcastOptions, rootRank=src, rootTensor=0)
 
 
 def _not_a_member(group: Any) -> bool:
@@ -84,6 +106,9 @@ class DistTransport(Transport):
                 "is not a member of that group, and only its members may call on it"
             )
         self.group = group
+        # (weakly: a transport kept in a traceback or an autograd graph must
+        # not keep its group alive past destroy_process_group, see _Group)
+        self._pg = weakref.ref(pg)
         g = _groups.get(pg) or _group(pg)
         self.group_key, self._world, self._rank = g.key, g.world, g.rank
         if device is None:  # no tensor leaves: scalars go where this group's backend works
@@ -113,12 +138,13 @@ class DistTransport(Transport):
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         if buf.dtype in _WIDER:
             return self.all_gather(buf.view(torch.uint8)).view(buf.dtype)
-        out = buf.new_empty(self.world_size() * buf.numel())
+        out = buf.new_empty(self._world * buf.numel())
+        pg = self._group()
         try:
-            work = _all_gather_single()(out, buf, group=self.group, async_op=True)
+            work = pg._allgather_base(out, buf, _GATHER)
         except (RuntimeError, NotImplementedError):
             # A backend without it: the list form, writing into views of ``out``.
-            self._start(dist.all_gather, list(out.chunk(self.world_size())), buf)
+            self._start(pg.allgather, [list(out.chunk(self._world))], [buf], _GATHER)
             return out
         self._pending.append(work)
         return out
@@ -129,7 +155,7 @@ class DistTransport(Transport):
             self.all_reduce(wide, op)
             self._after.append(lambda: buf.copy_(wide))  # int32 -> int16 wraps like int16
             return buf
-        self._start(dist.all_reduce, buf, _OPS[op])
+        self._start(self._group().allreduce, [buf], _REDUCE[op])
         return buf
 
     # A star from src: at W=4 on 2 cores gloo's broadcast takes 0.3 ms, its
@@ -139,13 +165,18 @@ class DistTransport(Transport):
     def broadcast(self, buf: torch.Tensor, src: int, guard: int = 0) -> torch.Tensor:
         if buf.dtype in _WIDER:
             return self.broadcast(buf.view(torch.uint8), src).view(buf.dtype)
-        root = src if self.group is None else dist.get_global_rank(self.group, src)
-        self._start(dist.broadcast, buf, root)
+        self._start(self._group().broadcast, [buf], _broadcast_from(src))
         return buf
+
+    def _group(self) -> Any:
+        pg = self._pg()
+        if pg is None:
+            raise EngineError("the process group was destroyed (dist.destroy_process_group)")
+        return pg
 
     def _start(self, collective: Callable[..., Any], *args: Any) -> None:
         try:
-            self._pending.append(collective(*args, group=self.group, async_op=True))
+            self._pending.append(collective(*args))
         except RuntimeError as e:  # a connection closed by an earlier timeout
             raise EngineError(str(e)) from e
 
