@@ -189,7 +189,7 @@ def test_a_world_of_one_starts_no_watch_and_sends_no_header():
     xcoll.barrier("b")
     assert next(_watchdog._ids) == before + 1
     t = _backends.current()
-    assert t.world_size() == 1
+    assert t.world == 1
     with _guard.entered(t, "xcoll.gather", "", _check.Description(())) as signature:
         assert signature is None
 

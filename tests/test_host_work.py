@@ -20,18 +20,18 @@ from tests.replicas import shared_pool
 # XLA pool), from the caches and state its earlier calls left.
 BOUNDS = {
     "gloo-2": {
-        "reduce, 1 leaf": 171 + 15,
-        "gather, 1 leaf": 211 + 15,
-        "broadcast, 1 leaf": 178 + 15,
-        "reduce, 3-leaf metrics": 178 + 15,
-        "gather grad=True, 1 leaf": 250 + 15,
+        "reduce, 1 leaf": 136 + 15,
+        "gather, 1 leaf": 175 + 15,
+        "broadcast, 1 leaf": 147 + 15,
+        "reduce, 3-leaf metrics": 139 + 15,
+        "gather grad=True, 1 leaf": 214 + 15,
     },
     "xla-cpu-2": {
-        "reduce, 1 leaf": 236 + 15,
-        "gather, 1 leaf": 265 + 15,
-        "broadcast, 1 leaf": 258 + 15,
-        "reduce, 3-leaf metrics": 243 + 15,
-        "gather grad=True, 1 leaf": 305 + 15,
+        "reduce, 1 leaf": 215 + 15,
+        "gather, 1 leaf": 245 + 15,
+        "broadcast, 1 leaf": 235 + 15,
+        "reduce, 3-leaf metrics": 218 + 15,
+        "gather grad=True, 1 leaf": 285 + 15,
     },
 }
 

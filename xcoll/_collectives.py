@@ -405,7 +405,7 @@ def world_size(group: Any = None) -> int:
     >>> xcoll.world_size()
     1
     """
-    return _backends.current(group).world_size()
+    return _backends.current(group).world
 
 
 def sync() -> None:
@@ -431,7 +431,7 @@ def sync() -> None:
         _outside(sync)()
         return
     transport = _backends.current()
-    if transport.world_size() == 1:
+    if transport.world == 1:
         transport.sync()
         return
     lazy = transport.lazy

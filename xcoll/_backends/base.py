@@ -1,7 +1,7 @@
 """The backend boundary, in two halves.
 
 * :class:`Transport`: what a collectives engine provides: ``rank``,
-  ``world_size``, ``all_gather``, ``all_reduce``, ``broadcast``, ``wait``,
+  ``world``, ``all_gather``, ``all_reduce``, ``broadcast``, ``wait``,
   ``sync``, ``to_host`` and ``exchange`` (a small gather run on its own).
 * :class:`Kernels`: how packed buffers are built and cut on the engine's
   device: ``join`` and ``unjoin`` (a move's one buffer), ``encode_reduce``
@@ -85,7 +85,7 @@ class Kernels:
         raw = result.view(torch.uint8)
         w = world or 1
         if w > 1:
-            raw = _pack.slot_major(raw.view(w, -1), joined.byte_sizes)
+            raw = _pack.slot_major(raw.view(w, -1), joined.byte_runs)
         out, at = [], 0
         for dtype, n, padded in zip(joined.dtypes, joined.nbytes, joined.padded, strict=True):
             seg = raw[at : at + w * n].view(_wire.wire_dtype(dtype))
@@ -200,8 +200,8 @@ class Transport(ABC):
         """``rank`` (of this group) as messages name it."""
         return f"rank {rank}"
 
-    @abstractmethod
-    def world_size(self) -> int: ...
+    #: The number of replicas in the group (fixed for the transport's life).
+    world: int
 
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
         return cpu.to(self.device)
@@ -274,20 +274,19 @@ class Transport(ABC):
         out = self.all_gather(buf)
         self.wait()
         self.sync()
-        return self.to_host([out])[0].view(self.world_size(), -1)
+        return self.to_host([out])[0].view(self.world, -1)
 
 
 class LocalTransport(Transport):
     """A single process with no collectives engine: world size 1."""
+
+    world = 1
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
 
     def rank(self) -> int:
         return 0
-
-    def world_size(self) -> int:
-        return 1
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.clone()

@@ -110,7 +110,7 @@ class DistTransport(Transport):
         # not keep its group alive past destroy_process_group, see _Group)
         self._pg = weakref.ref(pg)
         g = _groups.get(pg) or _group(pg)
-        self.group_key, self._world, self._rank = g.key, g.world, g.rank
+        self.group_key, self.world, self._rank = g.key, g.world, g.rank
         if device is None:  # no tensor leaves: scalars go where this group's backend works
             device = torch.device("cuda", torch.cuda.current_device()) if g.nccl else _CPU
         self.device = device
@@ -132,19 +132,16 @@ class DistTransport(Transport):
             return f"rank {rank}"
         return f"rank {rank} of the group (global rank {dist.get_global_rank(self.group, rank)})"
 
-    def world_size(self) -> int:
-        return self._world
-
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         if buf.dtype in _WIDER:
             return self.all_gather(buf.view(torch.uint8)).view(buf.dtype)
-        out = buf.new_empty(self._world * buf.numel())
+        out = buf.new_empty(self.world * buf.numel())
         pg = self._group()
         try:
             work = pg._allgather_base(out, buf, _GATHER)
         except (RuntimeError, NotImplementedError):
             # A backend without it: the list form, writing into views of ``out``.
-            self._start(pg.allgather, [list(out.chunk(self._world))], [buf], _GATHER)
+            self._start(pg.allgather, [list(out.chunk(self.world))], [buf], _GATHER)
             return out
         self._pending.append(work)
         return out

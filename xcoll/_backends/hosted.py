@@ -47,6 +47,7 @@ class Hosted(Transport):
     def __init__(self, engine: Transport, leaves: Sequence[object]):
         self.engine = engine
         self.device = torch.device("cpu")
+        self.world = engine.world
         self.broadcast_sums = engine.broadcast_sums
         self._leaves = list(leaves)
         #: Per collective: its buffer, its result (filled by wait), how it
@@ -67,9 +68,6 @@ class Hosted(Transport):
     def rank_name(self, rank: int) -> str:
         return self.engine.rank_name(rank)
 
-    def world_size(self) -> int:
-        return self.engine.world_size()
-
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
         return cpu
 
@@ -77,7 +75,7 @@ class Hosted(Transport):
         return self._leaves
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
-        return self._later(buf, buf.new_empty(self.world_size() * buf.numel()), "gather")
+        return self._later(buf, buf.new_empty(self.world * buf.numel()), "gather")
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
         return self._later(buf, torch.empty_like(buf), op)

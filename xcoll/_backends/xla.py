@@ -655,7 +655,7 @@ class XlaTransport(Transport):
         # process: its rank and world size, and the dtypes that the device
         # keeps narrower (torch_xla reads those settings when it starts).
         self._rank = xr.global_ordinal()
-        self._world = xr.world_size()
+        self.world = xr.world_size()
         self._narrowed = _narrowed(self.device)
         self.replica_threads = _cpu_threads
 
@@ -716,9 +716,6 @@ class XlaTransport(Transport):
     def rank(self) -> int:
         return self._rank
 
-    def world_size(self) -> int:
-        return self._world
-
     # The token is reset before each collective, which isolates it from NaN in
     # the results of earlier ones (the caller's, when sync=False, or this
     # call's), and once after the last (wait), which isolates the caller's
@@ -726,10 +723,10 @@ class XlaTransport(Transport):
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         _xlac.reset_token(self.device)
-        return _xlac.all_gather(buf, self._world)
+        return _xlac.all_gather(buf, self.world)
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
-        if self._world == 1:  # (``buf`` is the call's own: nothing to reduce)
+        if self.world == 1:  # (``buf`` is the call's own: nothing to reduce)
             return buf
         _xlac.reset_token(self.device)
         return _xlac.all_reduce(buf, _REDUCE_TYPES[op])
@@ -805,7 +802,7 @@ class XlaTransport(Transport):
         _xlac.reset_token(self.device)
         step(self.device, [out])  # the graph of ``out`` alone, not everything pending
         _xlac.wait_device(self.device)
-        return self.to_host([out])[0].view(self.world_size(), -1)
+        return self.to_host([out])[0].view(self.world, -1)
 
 
 # Deferred verdicts by device (XlaTransport.defer): a backward's call defers

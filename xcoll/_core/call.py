@@ -27,7 +27,7 @@ _plans: _memo.Memo[Plan] = _memo.Memo()
 
 def _prepare(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> Plan:
     op.validate(flat, transport, sync, to_cpu)
-    w = transport.world_size()
+    w = transport.world
     return _plans.get(op.key(flat, w), lambda: op.plan(flat, w))
 
 

@@ -153,7 +153,8 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     pieces, header = _pieces(r, TORCH if to_cpu else transport.kernels, flats, header)
     del flats
     blocks = _place(r, pieces, out)
-    _empties(r, flat, out, to_cpu)
+    if r.empties:
+        _empties(r, flat, out, to_cpu)
     del pieces
     blocks, header = _materialise(transport, blocks, header, sync, to_cpu)
     if header is not None:
@@ -208,7 +209,8 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
         _check(transport, signature, _arrived(r, transport, results[0]), mine.wire)
     else:
         results = [r.op.send(transport, wires[0], 0, r)]
-    results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
+    if wires[1:]:
+        results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
     transport.wait()  # eager engines started every collective asynchronously
     return results
 
@@ -262,6 +264,8 @@ def _place(r: Recipe, pieces, out: list[Any]) -> list[torch.Tensor]:
     for leaf in r.moved:
         if out[leaf] is not None:  # (an empty leaf's is placed moved already)
             out[leaf] = r.op.finish(r, leaf, out[leaf])
+    if not r.scalars:
+        return []
     return [p[-1] for b, p in zip(r.buckets, pieces, strict=True) if b.scalars]
 
 

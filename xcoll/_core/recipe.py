@@ -101,6 +101,8 @@ class Recipe:
     #: The rows of each collective's result (W for a gather, else 1).
     rows: int
     buckets: tuple[_pack.Bucket, ...]
+    #: Each bucket's dtype.
+    dtypes: tuple[torch.dtype, ...]
     #: Reduce: each bucket's all-reduce op.
     ops: tuple[str, ...]
     #: Each bucket's parts' shapes, output pieces' shapes, casts and mean
@@ -196,6 +198,7 @@ def build(
         world=world,
         rows=op.rows(world),
         buckets=tuple(b[k] for k in live),
+        dtypes=tuple(b[k].dtype for k in live),
         ops=ops,
         part_shapes=tuple(part_shapes),
         shapes=tuple(shapes),

@@ -167,7 +167,7 @@ class UnevenGather(_ops.Op):
         assert size is not None  # (apply calls this with max_size only)
         key = (
             transport.group_key,
-            transport.world_size(),
+            transport.world,
             _pack.size_bucket(size),
             len(rows.idx),
             len(scalars),

@@ -168,13 +168,12 @@ def runs(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def slot_major(buf: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-    """``buf`` of shape ``(w, sum(sizes))`` (one row per replica, slots of
-    ``sizes`` side by side) as a 1-d tensor in which each slot's ``(w, size)``
-    block is contiguous, in slot order: a gathered leaf is then one reshape
-    away. One transpose per run of equal sizes."""
+def slot_major(buf: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    """``buf`` of shape ``(w, n)`` (one row per replica, slots side by side,
+    in ``spans``: the :func:`runs` of their sizes) as a 1-d tensor in which
+    each slot's ``(w, size)`` block is contiguous, in slot order: a gathered
+    leaf is then one reshape away. One transpose per run of equal sizes."""
     w = buf.shape[0]
-    spans = runs(sizes)
     if w == 1 or len(spans) == 1 and spans[0][1] == 1:  # already slot-major
         return buf.reshape(-1)
     out = buf.new_empty(buf.numel())
@@ -332,6 +331,11 @@ class Joined:
             out += [k * d.itemsize for k in ns] + ([p - n] if p > n else [])
         return out
 
+    @functools.cached_property
+    def byte_runs(self) -> list[tuple[int, int, int]]:
+        """The :func:`runs` of :attr:`byte_sizes` (for :func:`slot_major`)."""
+        return runs(self.byte_sizes)
+
 
 def fill(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
     """Copies ``parts``, flattened, one after another into the 1-d ``out``,
@@ -342,7 +346,7 @@ def fill(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
     if not parts:
         return
     if out.numel() <= _CAT_GRAIN:  # (flattened in one C++ call, not one Python call each)
-        out.copy_(torch._utils._flatten_dense_tensors(parts))
+        out.copy_(torch._C._nn.flatten_dense_tensors(list(parts)))  # (torch._utils' own call)
         return
     group: list[torch.Tensor] = []
     at = start = 0
@@ -364,7 +368,7 @@ def fill(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
 def concat(parts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """``parts`` flattened and concatenated into one new 1-d tensor of
     ``dtype`` (default: the first part's; :func:`fill`)."""
-    out = parts[0].new_empty(sum(p.numel() for p in parts), dtype=dtype)
+    out = parts[0].new_empty(sum(map(torch.Tensor.numel, parts)), dtype=dtype)
     fill(out, parts)
     return out
 
@@ -376,7 +380,7 @@ def parts(
     entry of ``bucket.part_shapes``: its tensor leaves, then one 1-d tensor of
     its Python scalars (an exact bucket's as :func:`int_parts`), made on
     the host and moved by ``upload`` (once)."""
-    out: list[torch.Tensor] = [leaves[i] for i in bucket.tensor_leaves]  # type: ignore[misc]
+    out: list[torch.Tensor] = list(map(leaves.__getitem__, bucket.tensor_leaves))  # type: ignore[arg-type]
     if bucket.scalars:
         values: Sequence[Any] = [leaves[s.leaf] for s in bucket.scalars]
         if bucket.exact:

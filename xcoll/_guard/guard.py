@@ -92,11 +92,10 @@ class Signature:
 
     def header(self, dtype: torch.dtype, op: Rules, how: str, world: int) -> Header:
         """The call's :class:`Header` for collective ``op`` (kept per signature, unless tagged)."""
-        fingerprint = self.fingerprint()  # (a tagged call's is a digest made per call)
-        if self.tag:
-            return _build(fingerprint, dtype, op, how, world)
-        key = (fingerprint, dtype, op.__class__, how, world)
-        return _headers.get(key, lambda: _build(fingerprint, dtype, op, how, world))
+        if self.tag:  # (a tagged call's fingerprint is a digest made per call)
+            return _build(self.fingerprint(), dtype, op, how, world)
+        key = (self.name, self.head, self.description.digest, dtype, op.__class__, how, world)
+        return _headers.get(key, lambda: _build(self.fingerprint(), dtype, op, how, world))
 
     def uploaded(self, transport: Transport, h: Header, op: Rules) -> torch.Tensor:
         """``h.part`` on ``transport``'s device, uploaded once per untagged
@@ -106,7 +105,8 @@ class Signature:
             return h.part
         if self.tag:
             return transport.upload(h.part)
-        key = (self.fingerprint(), h.part.dtype, op.__class__, str(transport.device))
+        d = self.description.digest
+        key = (self.name, self.head, d, h.part.dtype, op.__class__, str(transport.device))
         return _uploads.get(key, lambda: transport.upload(h.part))
 
 
@@ -361,7 +361,7 @@ class entered:
                 tag, number, error = "", 0, error or e
             d = self.description or _check.Description(())
             signature = Signature(self.name, self.head, d, tag, number)
-            w = t.world_size()
+            w = t.world
             if w > 1:
                 # (this thread's transport: on XLA the rank is per thread)
                 self.watch = _watchdog.watch(
@@ -443,7 +443,7 @@ class exclusive:
 
     def __enter__(self) -> None:
         t = self.transport
-        if t.world_size() == 1:
+        if t.world == 1:
             return
         key, me = t.group_key, threading.get_ident()
         with _busy_lock:

@@ -10,7 +10,7 @@ import contextlib
 import contextvars
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +49,9 @@ _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar(
 )
 
 
-def tuning() -> Tuning:
-    """This thread's :class:`Tuning`."""
-    return _TUNING.get()
+#: This thread's :class:`Tuning` (the context variable's own getter: it is
+#: read on every call's path).
+tuning: Callable[[], Tuning] = _TUNING.get
 
 
 @contextlib.contextmanager
@@ -252,7 +252,7 @@ class Packed(Op):
     def recipe(self, plan: Plan, transport: Transport, guarded: bool, to_cpu: bool) -> Recipe:
         """``plan``'s recipe on ``transport`` (with the guard's header if
         ``guarded``; outputs to the host if ``to_cpu``), kept on the plan."""
-        w = transport.world_size()
+        w = transport.world
         # (everything the recipe reads beyond the plan: the engine's kind
         # decides lazy and how a broadcast's header combines; of the op, only
         # fields that the plan's key or this one holds: src)
@@ -309,8 +309,7 @@ class Move(Packed):
             return flats, header
         fetched = transport.sync_and_fetch(flats + ([header] if header is not None else []))
         header = fetched.pop() if header is not None else None
-        dtypes = [b.dtype for b in r.buckets]
-        decoded = [_wire.decode_move(f, d, TORCH.bitcast) for f, d in zip(fetched, dtypes, strict=True)]
+        decoded = [_wire.decode_move(f, d, TORCH.bitcast) for f, d in zip(fetched, r.dtypes, strict=True)]
         return decoded, header
 
 

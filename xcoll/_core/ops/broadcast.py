@@ -29,7 +29,7 @@ class Broadcast(Move):
 
     def validate(self, flat, transport, sync, to_cpu):
         super().validate(flat, transport, sync, to_cpu)
-        w = transport.world_size()
+        w = transport.world
         if isinstance(self.src, bool) or not isinstance(self.src, int) or not 0 <= self.src < w:
             raise ValueError(f"src={self.src!r} is not a replica rank: world size is {w}")
 

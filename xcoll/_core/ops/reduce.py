@@ -125,8 +125,7 @@ class Reduce(Packed):
 
     def wires(self, r, transport, parts, head):
         parts[0] = [*(head[0] if head else []), *parts[0]]
-        dtypes = [b.dtype for b in r.buckets]
-        return transport.kernels.encode_reduce(parts, r.part_shapes, dtypes, r.ops)
+        return transport.kernels.encode_reduce(parts, r.part_shapes, r.dtypes, r.ops)
 
     def decoded(self, r, transport, results, to_cpu):
         # (with to_cpu, fetched as they arrived and decoded on the host: no
@@ -134,8 +133,7 @@ class Reduce(Packed):
         kernels = transport.kernels
         if to_cpu:
             results, kernels = transport.sync_and_fetch(results), TORCH
-        dtypes = [b.dtype for b in r.buckets]
-        return kernels.decode_reduce(results, dtypes, list(r.ops), list(r.means), r.world), None
+        return kernels.decode_reduce(results, r.dtypes, r.ops, r.means, r.world), None
 
     def backward_ops(self, flat, leaves):
         """Each leaf's own op: sum, or mean (the others have no gradient)."""
