@@ -252,7 +252,10 @@ def _one_bit_differs(cases):
             for bit in bits:
                 _FLIP.bit = bit if rank == bit % w else None
                 try:
-                    getattr(xcoll, name)(tree, **kwargs)
+                    # (tagged: a tagged call's header is built from its
+                    # fingerprint on each call; an untagged call's is kept per
+                    # signature, where the patched fingerprint would not reach it)
+                    getattr(xcoll, name)(tree, **kwargs, tag=f"bit {bit}")
                     outcomes.append((name, bit, "returned"))
                 except xcoll.CollectiveMismatchError as e:
                     outcomes.append((name, bit, f"{type(e).__name__}: {e}"))
@@ -302,7 +305,7 @@ def test_a_header_that_differs_in_any_one_bit_is_a_clean_error_on_every_replica(
                 raises = r != 0 and flipped in (0, r)
                 dtype = str(VERDICTS[-1][2]).removeprefix("torch.")
                 mine = (
-                    f"this replica's call (rank {r}: tag: (none); parameters: src=0 "
+                    f"this replica's call (rank {r}: tag: tag='bit {bit}'; parameters: src=0 "
                     f"to_cpu=False sync=True; 1 leaf: tree['x']: {dtype} tensor of shape (6); "
                     "structure: PyTreeSpec({'x': *})) differs"
                 )

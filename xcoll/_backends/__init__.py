@@ -105,7 +105,7 @@ def resolve(flat: Flat, group: Any = None) -> Transport:
     """
     if group is not None:  # (a call per warm call saved: most calls pass none)
         check_group(group)
-    if len(flat.devices) > 1:
+    if flat.devices[1:]:  # (more than one)
         tensors = [i for i, leaf in enumerate(flat.leaves) if isinstance(leaf, torch.Tensor)]
         first = tensors[0]
         i = next(i for i in tensors if flat.leaves[i].device != flat.leaves[first].device)

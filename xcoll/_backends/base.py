@@ -55,7 +55,7 @@ class Kernels:
         """For each bucket, its ``parts`` (of ``shapes``) flattened and joined
         into one new 1-d tensor of its dtype (``dtypes``; a part of another
         dtype is converted exactly: it is narrower)."""
-        return [_pack.concat(p, d) for p, d in zip(parts, dtypes, strict=True)]
+        return list(map(_pack.concat, parts, dtypes))
 
     def join(self, segments: Sequence[Sequence[torch.Tensor]], joined: _pack.Joined) -> torch.Tensor:
         """A move's segments (the header's part, then each live bucket's parts,
@@ -103,7 +103,7 @@ class Kernels:
         """Each bucket's ``parts`` packed (:meth:`pack`) in the form whose
         all-reduce ``op`` gives the result (:func:`xcoll._encode.wire.encode_reduce`)."""
         packed = self.pack(parts, shapes, dtypes)
-        return [_wire.encode_reduce(b, op, self.bitcast) for b, op in zip(packed, ops, strict=True)]
+        return list(map(_wire.encode_reduce, packed, ops, itertools.repeat(self.bitcast)))
 
     def decode_reduce(
         self,
@@ -115,10 +115,8 @@ class Kernels:
     ) -> list[torch.Tensor]:
         """Inverse of :meth:`encode_reduce` on the all-reduced buffers, means
         divided by ``world`` (:func:`xcoll._encode.wire.decode_reduce`)."""
-        return [
-            _wire.decode_reduce(o, d, op, self.bitcast, m, world)
-            for o, d, op, m in zip(outs, dtypes, ops, means, strict=True)
-        ]
+        bitcast, worlds = itertools.repeat(self.bitcast), itertools.repeat(world)
+        return list(map(_wire.decode_reduce, outs, dtypes, ops, bitcast, means, worlds))
 
     def keep(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """A new tensor: ``t`` where the ``(1,)`` bool ``mask`` is true, zeros
@@ -254,7 +252,7 @@ class Transport(ABC):
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """CPU copies of ``tensors``, fetched together."""
-        return [t.cpu() for t in tensors]
+        return list(map(torch.Tensor.cpu, tensors))
 
     def fetch(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """:meth:`sync_and_fetch` of ``tensors`` that are the caller's (a lazy

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -195,7 +196,7 @@ def _wires(r: Recipe, flat, transport: Transport, signature, mine) -> list[torch
     """The buffers the call's collectives send (:meth:`~xcoll._core.ops.Packed.wires`),
     the header a part of its own."""
     leaves = transport.own_buffers(flat)
-    parts = [_pack.parts(b, leaves, transport.upload) for b in r.buckets]
+    parts = list(map(_pack.parts, r.buckets, repeat(leaves), repeat(transport.upload)))
     head = [[signature.uploaded(transport, mine, r.op)]] if mine is not None else []
     return r.op.wires(r, transport, parts, head)
 

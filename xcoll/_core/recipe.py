@@ -105,8 +105,9 @@ class Recipe:
     dtypes: tuple[torch.dtype, ...]
     #: Reduce: each bucket's all-reduce op.
     ops: tuple[str, ...]
-    #: Each bucket's parts' shapes, output pieces' shapes, casts and mean
-    #: ranges, the header (a reduce's) as bucket 0's first part.
+    #: Each bucket's parts' shapes, output pieces' shapes, casts (empty where
+    #: no piece is cast) and mean ranges, the header (a reduce's) as bucket
+    #: 0's first part.
     part_shapes: tuple[Shapes, ...]
     shapes: tuple[Shapes, ...]
     casts: tuple[tuple[torch.dtype | None, ...], ...]
@@ -202,7 +203,7 @@ def build(
         ops=ops,
         part_shapes=tuple(part_shapes),
         shapes=tuple(shapes),
-        casts=tuple(casts),
+        casts=tuple(casts) if any(any(c) for c in casts) else (),
         means=tuple(means),
         header_in_bucket=in_bucket,
         joined=layout,

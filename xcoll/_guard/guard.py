@@ -324,8 +324,8 @@ ConcurrentCallError.__module__ = "xcoll"
 
 
 class entered:
-    """A public call's entry, around everything it does: :class:`exclusive`
-    on its group, its step tag (:mod:`xcoll._guard.steps`), the watchdog, the full
+    """A public call's entry, around everything it does: its group claimed
+    (:func:`claim`), its step tag (:mod:`xcoll._guard.steps`), the watchdog, the full
     check when due (raising the call's local ``error``, shared with every
     replica), and, on the way out, the engine's failure to complete a
     collective in xcoll's words. The block's value is the call's
@@ -345,13 +345,13 @@ class entered:
         self.transport, self.name, self.head = transport, name, head
         self.description, self.error = description, error
         self.explicit = tag
-        self.busy = exclusive(transport, name)
+        self.claimed: list[Any] | None = None
         self.watch: _watchdog.watch | None = None
 
     def __enter__(self) -> Signature | None:
         mode = _check.mode()
         t, error, self.error = self.transport, self.error, None  # (see the finally below)
-        self.busy.__enter__()
+        self.claimed = claim(t, self.name)
         try:
             if t.lazy:  # (an earlier sync=False call's verdict, where a sync has run it)
                 t.settle()
@@ -397,8 +397,10 @@ class entered:
         if self.watch is not None:
             self.watch.__exit__()
             self.watch = None
-        self.busy.__exit__(type(error) if error else None, error, None)
-        if isinstance(error, EngineError):
+        claimed, self.claimed = self.claimed, None
+        if claimed is not None:
+            release(self.transport, claimed, self.name, failed=error is not None)
+        if error is not None and isinstance(error, EngineError):
             t = self.transport
             raise RuntimeError(
                 f"{self.name}: a collective did not complete on {t.rank_name(t.rank())}: {error} "
@@ -414,7 +416,7 @@ class entered:
 _busy: dict[Hashable, list[Any]] = {}
 _busy_lock = threading.Lock()
 # The groups on which two threads' calls overlapped: unusable from then on, on
-# this process (:class:`exclusive`). torch.distributed groups by the group
+# this process (:func:`claim`). torch.distributed groups by the group
 # object, weakly (a new group, even one with the same name, is usable); other
 # engines' groups by key, for the life of the process.
 _unusable_groups: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -422,12 +424,14 @@ _unusable_keys: dict[Hashable, str] = {}
 _marked = False  # whether a group was ever marked unusable in this process
 
 
-class exclusive:
-    """Marks ``transport``'s group busy for one public call of this thread. A
-    call that starts while another thread's is in flight on the same group
-    raises :class:`ConcurrentCallError` at once, without communicating, and so
-    does the call it overlapped, when it ends (collectives are paired by order
-    on each process, and two threads' order is not defined).
+def claim(transport: Transport, name: str) -> list[Any] | None:
+    """Marks ``transport``'s group busy for one public call (``name``) of this
+    thread; returns the mark, for :func:`release` (None: nothing to release,
+    in a world of one or within this thread's own call). A call that starts
+    while another thread's is in flight on the same group raises
+    :class:`ConcurrentCallError` at once, without communicating, and so does
+    the call it overlapped, when it ends (collectives are paired by order on
+    each process, and two threads' order is not defined).
 
     From then on this process makes no collective on that group: every call
     raises :class:`ConcurrentCallError` at once. On the other replicas, whose
@@ -436,63 +440,52 @@ class exclusive:
     the wrong call; only a call already paired when the overlap was seen may
     have met the other thread's call here (tag each thread's calls, and the
     guard names that too). A world of one has nothing to pair."""
-
-    def __init__(self, transport: Transport, name: str):
-        self.transport, self.name = transport, name
-        self.entry: list[Any] | None = None
-
-    def __enter__(self) -> None:
-        t = self.transport
-        if t.world == 1:
-            return
-        key, me = t.group_key, threading.get_ident()
-        with _busy_lock:
-            why = _unusable(t)
-            if why:
-                raise ConcurrentCallError(
-                    f"{self.name}: {t.rank_name(t.rank())} made no collective: this process "
-                    f"group is unusable since {why}; the other replicas' calls may have been "
-                    "paired differently. Make a new process group (on XLA, restart the "
-                    "replicas), and call from one thread at a time"
-                )
-            entry = _busy.get(key)
-            if entry is not None and entry[0] == me:  # a call within this thread's own call
-                return
-            if entry is not None:
-                entry[1] = True
-                _mark_unusable(t, f"two threads' calls overlapped on {t.rank_name(t.rank())}")
-                raise ConcurrentCallError(
-                    f"{self.name}: called on {t.rank_name(t.rank())} from thread "
-                    f"{threading.current_thread().name!r} while another thread has a call in "
-                    "flight on the same process group; calls on one group must come from one "
-                    "thread at a time, in the same order on every replica. The group is "
-                    "unusable from now on: make a new one (on XLA, restart the replicas)"
-                )
-            self.entry = _busy[key] = [me, False]
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        entry, self.entry = self.entry, None
-        if entry is None:
-            return
-        with _busy_lock:
-            del _busy[self.transport.group_key]
-        if entry[1] and kind is None:
+    t = transport
+    if t.world == 1:
+        return None
+    key, me = t.group_key, threading.get_ident()
+    with _busy_lock:
+        why = _unusable(t) if _marked else None
+        if why:
             raise ConcurrentCallError(
-                f"{self.name}: another thread called xcoll on the same process group while "
-                f"this call ({self.transport.rank_name(self.transport.rank())}, thread "
-                f"{threading.current_thread().name!r}) was in flight; its result may be paired "
-                "with that call's on other replicas. The group is unusable from now on"
+                f"{name}: {t.rank_name(t.rank())} made no collective: this process "
+                f"group is unusable since {why}; the other replicas' calls may have been "
+                "paired differently. Make a new process group (on XLA, restart the "
+                "replicas), and call from one thread at a time"
             )
+        entry = _busy.get(key)
+        if entry is not None and entry[0] == me:  # a call within this thread's own call
+            return None
+        if entry is not None:
+            entry[1] = True
+            _mark_unusable(t, f"two threads' calls overlapped on {t.rank_name(t.rank())}")
+            raise ConcurrentCallError(
+                f"{name}: called on {t.rank_name(t.rank())} from thread "
+                f"{threading.current_thread().name!r} while another thread has a call in "
+                "flight on the same process group; calls on one group must come from one "
+                "thread at a time, in the same order on every replica. The group is "
+                "unusable from now on: make a new one (on XLA, restart the replicas)"
+            )
+        entry = _busy[key] = [me, False]
+    return entry
+
+
+def release(transport: Transport, entry: list[Any], name: str, failed: bool) -> None:
+    """Ends :func:`claim`'s mark ``entry``; raises :class:`ConcurrentCallError`
+    where another thread's call overlapped this one (unless this one
+    ``failed``: its own error is the one to report)."""
+    with _busy_lock:
+        del _busy[transport.group_key]
+    if entry[1] and not failed:
+        raise ConcurrentCallError(
+            f"{name}: another thread called xcoll on the same process group while "
+            f"this call ({transport.rank_name(transport.rank())}, thread "
+            f"{threading.current_thread().name!r}) was in flight; its result may be paired "
+            "with that call's on other replicas. The group is unusable from now on"
+        )
 
 
 def _unusable(t: Transport) -> str | None:
-    if not _marked:  # (no group ever marked: the usual case, no lookup)
-        return None
     group = t.group_object
     if group is not None:
         return _unusable_groups.get(group)

@@ -127,11 +127,14 @@ def tag(group_key: Hashable, explicit: Any = None) -> tuple[str, int]:
     ``explicit`` tag ("" for an untagged call outside any block; an
     :class:`Identity` is the tag), and its number among this thread's calls
     on that group (what a backward names its forward by)."""
-    numbers = _local.__dict__.setdefault("numbers", {})
-    number = numbers[group_key] = numbers.get(group_key, -1) + 1
-    if isinstance(explicit, Identity):
+    state = _local.__dict__  # (this thread's: its call numbers, its open blocks)
+    numbers = state.get("numbers")
+    if numbers is None:
+        numbers = state["numbers"] = {}
+    number = numbers[group_key] = numbers[group_key] + 1 if group_key in numbers else 0
+    if explicit is not None and isinstance(explicit, Identity):
         return explicit.text, number
-    blocks = getattr(_local, "blocks", None)
+    blocks = state.get("blocks")
     if not blocks and explicit is None:  # (an untagged call outside any block)
         return "", number
     parts = []

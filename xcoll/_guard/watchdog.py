@@ -6,8 +6,9 @@ XLA aborts the process after 10 s; gloo waits for its timeout. The watchdog
 prints xcoll's own account of the call to stderr first (after
 :data:`AFTER` seconds), so the log says which call it was.
 
-One daemon thread serves every call: watching a call costs a lock and a dict
-entry, not a thread.
+One daemon thread serves every call: watching a call costs a dict entry,
+not a thread nor a lock (the thread polls the entries, :data:`POLLS` times
+per :data:`AFTER`: a diagnosis comes at most ``AFTER / POLLS`` seconds late).
 """
 
 from __future__ import annotations
@@ -21,30 +22,37 @@ from collections.abc import Callable
 #: Seconds a call waits before its diagnosis is printed (XLA aborts at 10).
 AFTER = 5.0
 
-# (a plain lock, entered in C by every call; the watchdog thread waits on its condition)
-_lock = threading.Lock()
-_wakeup = threading.Condition(_lock)
+#: How often the watchdog thread looks at the calls, per :data:`AFTER`.
+POLLS = 10
+
+_start = threading.Lock()  # (taken once, to start the thread)
+# Each call watched: its deadline, and its message. (Entered and left without
+# a lock: one dict operation each, atomic under the GIL; the thread reads a
+# copy of the items.)
 _watched: dict[int, tuple[float, Callable[[float], str]]] = {}
 _ids = itertools.count()
 _thread: threading.Thread | None = None
-_wake = 0.0  # when the watchdog thread wakes next (a later deadline need not wake it)
 
 
 def _loop() -> None:
-    global _wake
-    with _lock:
-        while True:
-            now = time.monotonic()
-            for k, (deadline, message) in list(_watched.items()):
-                if deadline <= now:
-                    del _watched[k]
-                    try:
-                        text = message(AFTER)
-                    except Exception as e:  # a diagnosis must never kill the watchdog
-                        text = f"xcoll: a call has waited {AFTER:.0f} s ({e!r})"
-                    print(text, file=sys.stderr, flush=True)
-            _wake = min((d for d, _ in _watched.values()), default=now + 3600)
-            _wakeup.wait(_wake - now)
+    while True:
+        time.sleep(AFTER / POLLS)
+        now = time.monotonic()
+        for k, (deadline, message) in list(_watched.items()):
+            if deadline <= now and _watched.pop(k, None) is not None:
+                try:
+                    text = message(AFTER)
+                except Exception as e:  # a diagnosis must never kill the watchdog
+                    text = f"xcoll: a call has waited {AFTER:.0f} s ({e!r})"
+                print(text, file=sys.stderr, flush=True)
+
+
+def _started() -> None:
+    global _thread
+    with _start:
+        if _thread is None:
+            _thread = threading.Thread(target=_loop, name="xcoll-watchdog", daemon=True)
+            _thread.start()
 
 
 class watch:
@@ -55,17 +63,13 @@ class watch:
         self.message = message
 
     def __enter__(self) -> None:
-        global _thread
         self.key = next(_ids)
-        with _lock:
-            if _thread is None:
-                _thread = threading.Thread(target=_loop, name="xcoll-watchdog", daemon=True)
-                _thread.start()
-            deadline = time.monotonic() + AFTER
-            _watched[self.key] = (deadline, self.message)
-            if deadline < _wake:
-                _wakeup.notify()
+        _watched[self.key] = (time.monotonic() + AFTER, self.message)
+        if _thread is None:
+            _started()
 
     def __exit__(self, *exc: object) -> None:
-        with _lock:
-            _watched.pop(self.key, None)
+        try:
+            del _watched[self.key]
+        except KeyError:  # (the thread printed its diagnosis)
+            pass
