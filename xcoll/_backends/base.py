@@ -84,13 +84,16 @@ class Kernels:
         a gathered leaf is then one reshape away."""
         raw = result.view(torch.uint8)
         w = world or 1
-        if w > 1:
-            raw = _pack.slot_major(raw.view(w, -1), joined.byte_runs)
-        out, at = [], 0
-        for dtype, n, padded in zip(joined.dtypes, joined.nbytes, joined.padded, strict=True):
-            seg = raw[at : at + w * n].view(_wire.wire_dtype(dtype))
-            out.append(seg if wire else _wire.decode_move(seg, dtype, self.bitcast))
-            at += w * padded
+        rows = raw.view(w, -1) if w > 1 else raw
+        out = []
+        for dtype, (at, n, spans) in zip(joined.dtypes, joined.segments, strict=True):
+            # (each segment cut alone, its padding left behind: one copy of
+            # each run of equal slots, none for a replica's own bytes)
+            seg = _pack.slot_major(rows[:, at : at + n], spans) if w > 1 else raw[at : at + n]
+            if wire:
+                out.append(seg.view(_wire.wire_dtype(dtype)))
+            else:  # (a view of the bytes as the dtype is the torch bitcast)
+                out.append(seg != 0 if dtype == torch.bool else seg.view(dtype))
         return out
 
     def encode_reduce(

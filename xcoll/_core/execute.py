@@ -142,10 +142,10 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     mine = None
     if r.guard is not None:
         assert signature is not None
-        mine = signature.header(r.guard.dtype, r.op, r.guard.how, r.world)
+        mine = signature.header(r.guard.dtype, r.op, r.guard.how, r.world, transport)
     # (each stage's buffers are dropped once used: on XLA whatever is still
     # referenced at the sync becomes a graph output of its own)
-    wires = _wires(r, flat, transport, signature, mine)
+    wires = _wires(r, flat, transport, mine)
     results = _communicate(r, transport, wires, signature, mine)
     del wires
     late = _arrived(r, transport, results[0]) if r.guard and r.guard.when == "last" else None
@@ -192,12 +192,12 @@ def _exact_ints(flat, scalars, values: list[int], how: str, out: list[Any]) -> N
         out[leaf] = value
 
 
-def _wires(r: Recipe, flat, transport: Transport, signature, mine) -> list[torch.Tensor]:
+def _wires(r: Recipe, flat, transport: Transport, mine) -> list[torch.Tensor]:
     """The buffers the call's collectives send (:meth:`~xcoll._core.ops.Packed.wires`),
     the header a part of its own."""
     leaves = transport.own_buffers(flat)
     parts = list(map(_pack.parts, r.buckets, repeat(leaves), repeat(transport.upload)))
-    head = [[signature.uploaded(transport, mine, r.op)]] if mine is not None else []
+    head = [[mine.part]] if mine is not None else []
     return r.op.wires(r, transport, parts, head)
 
 
@@ -205,14 +205,17 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
     """Every collective's result, waited for. On an eager engine the first
     one's header is checked before the others start (a call whose buckets
     differ in number stops there)."""
-    if r.guard is not None and r.guard.when == "first":
+    first = r.guard is not None and r.guard.when == "first"
+    if first:
         results = [_classed(r, transport, wires[0])]
-        _check(transport, signature, _arrived(r, transport, results[0]), mine.wire)
+        if _arrived(r, transport, results[0]) != mine.wire:  # (as :func:`_check`)
+            _guard.fire(transport, signature)
     else:
         results = [r.op.send(transport, wires[0], 0, r)]
     if wires[1:]:
         results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
-    transport.wait()  # eager engines started every collective asynchronously
+    if wires[1:] or not first:  # (eager engines start every collective asynchronously)
+        transport.wait()
     return results
 
 

@@ -174,7 +174,7 @@ def slot_major(buf: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> torc
     each slot's ``(w, size)`` block is contiguous, in slot order: a gathered
     leaf is then one reshape away. One transpose per run of equal sizes."""
     w = buf.shape[0]
-    if w == 1 or len(spans) == 1 and spans[0][1] == 1:  # already slot-major
+    if w == 1 or not spans[1:] and spans[0][1] == 1:  # one slot: a copy in row order
         return buf.reshape(-1)
     out = buf.new_empty(buf.numel())
     at = 0
@@ -323,18 +323,15 @@ class Joined:
         return sum(self.padded) // 4
 
     @functools.cached_property
-    def byte_sizes(self) -> list[int]:
-        """Every slot's number of bytes in buffer order, each segment's padding
-        as a slot of its own."""
-        out = []
+    def segments(self) -> tuple[tuple[int, int, list[tuple[int, int, int]]], ...]:
+        """Each segment's first byte, its number of bytes without its padding,
+        and the :func:`runs` of its slots' numbers of bytes (for
+        :func:`slot_major`)."""
+        out, at = [], 0
         for d, ns, n, p in zip(self.dtypes, self.sizes, self.nbytes, self.padded, strict=True):
-            out += [k * d.itemsize for k in ns] + ([p - n] if p > n else [])
-        return out
-
-    @functools.cached_property
-    def byte_runs(self) -> list[tuple[int, int, int]]:
-        """The :func:`runs` of :attr:`byte_sizes` (for :func:`slot_major`)."""
-        return runs(self.byte_sizes)
+            out.append((at, n, runs([k * d.itemsize for k in ns])))
+            at += p
+        return tuple(out)
 
 
 def fill(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:

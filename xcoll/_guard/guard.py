@@ -46,6 +46,7 @@ buffer (gloo, when sizes differ), the front is what arrives.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import struct
 import threading
@@ -90,24 +91,20 @@ class Signature:
         # (a tag changes from call to call: its fingerprint is not kept)
         return _exchange.sha256(base.hex() + "\n" + self.tag) if self.tag else base
 
-    def header(self, dtype: torch.dtype, op: Rules, how: str, world: int) -> Header:
-        """The call's :class:`Header` for collective ``op`` (kept per signature, unless tagged)."""
+    def header(
+        self, dtype: torch.dtype, op: Rules, how: str, world: int, transport: Transport
+    ) -> Header:
+        """The call's :class:`Header` for collective ``op``, its part on
+        ``transport``'s device (uploaded as data, so that replicas with
+        different headers trace the same program); kept per signature and
+        device, unless tagged."""
         if self.tag:  # (a tagged call's fingerprint is a digest made per call)
-            return _build(self.fingerprint(), dtype, op, how, world)
-        key = (self.name, self.head, self.description.digest, dtype, op.__class__, how, world)
-        return _headers.get(key, lambda: _build(self.fingerprint(), dtype, op, how, world))
-
-    def uploaded(self, transport: Transport, h: Header, op: Rules) -> torch.Tensor:
-        """``h.part`` on ``transport``'s device, uploaded once per untagged
-        signature: as data, so that replicas with different headers trace the
-        same program."""
-        if h.part.device == transport.device:
-            return h.part
-        if self.tag:
-            return transport.upload(h.part)
+            return _on(transport, _build(self.fingerprint(), dtype, op, how, world))
         d = self.description.digest
-        key = (self.name, self.head, d, h.part.dtype, op.__class__, str(transport.device))
-        return _uploads.get(key, lambda: transport.upload(h.part))
+        key = (self.name, self.head, d, dtype, op.__class__, how, world, transport.device)
+        return _headers.get(
+            key, lambda: _on(transport, _build(self.fingerprint(), dtype, op, how, world))
+        )
 
 
 class Rules(Protocol):
@@ -183,7 +180,8 @@ def _values(fingerprint: bytes, dtype: torch.dtype, how: str, world: int) -> lis
 class Header:
     """One call kind's header for one fingerprint, bucket dtype, op and W."""
 
-    #: What this replica sends, in the bucket's dtype (a part of its bucket).
+    #: What this replica sends, in the bucket's dtype (a part of its bucket),
+    #: on the transport's device.
     part: torch.Tensor
     #: The bytes of the collective's result where the header lies, in wire
     #: form (eager engines: read before the call's other collectives start)
@@ -199,20 +197,24 @@ _headers: _memo.Memo[Header] = _memo.Memo(locked=True)
 def _build(fingerprint: bytes, dtype: torch.dtype, op: Rules, how: str, world: int) -> Header:
     """The :class:`Header` of collective ``op``, combined by ``how`` (the
     all-reduce's op, "sum" for a broadcast that sums, "" for a move whose
-    bytes arrive as sent), as the module's docstring says."""
+    bytes arrive as sent), as the module's docstring says (on the host)."""
     values = _values(fingerprint, dtype, how, world)
     values += [0] * (op.header_size(dtype, how, world) - len(values))  # (0 under every op)
     part, wire, decoded = op.header_parts(values, dtype, how, world)
     return Header(part, as_bytes(wire), as_bytes(decoded))
 
 
+def _on(transport: Transport, h: Header) -> Header:
+    """``h`` with its part on ``transport``'s device."""
+    if h.part.device == transport.device:
+        return h
+    return dataclasses.replace(h, part=transport.upload(h.part))
+
+
 def as_bytes(t: torch.Tensor) -> bytes:
     """The bytes of host tensor ``t``."""
     # (numpy has no bfloat16; ``tobytes`` copies in C order, whatever the strides)
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
-
-
-_uploads: _memo.Memo[torch.Tensor] = _memo.Memo(locked=True)
 
 
 def fire(
@@ -376,7 +378,7 @@ class entered:
             if error is not None:
                 raise error
         except BaseException as e:
-            self._leave(e)
+            self.__exit__(type(e), e, None)
             raise
         finally:
             # the error's traceback holds this frame: without this, the frame
@@ -391,25 +393,22 @@ class entered:
         value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._leave(value)
-
-    def _leave(self, error: BaseException | None) -> None:
         if self.watch is not None:
             self.watch.__exit__()
             self.watch = None
         claimed, self.claimed = self.claimed, None
         if claimed is not None:
-            release(self.transport, claimed, self.name, failed=error is not None)
-        if error is not None and isinstance(error, EngineError):
+            release(self.transport, claimed, self.name, failed=value is not None)
+        if value is not None and isinstance(value, EngineError):
             t = self.transport
             raise RuntimeError(
-                f"{self.name}: a collective did not complete on {t.rank_name(t.rank())}: {error} "
+                f"{self.name}: a collective did not complete on {t.rank_name(t.rank())}: {value} "
                 "(a replica that never arrived, or that the engine stopped. A replica whose code "
                 "raised before this call, and that went on, is one call behind: tag the calls "
                 "(tag=, xcoll.step) to name it. gloo kills a rank that receives a larger buffer "
                 "than its own, as when replicas' calls differ: XCOLL_CHECK=always names such a "
                 "difference)"
-            ) from error
+            ) from value
 
 
 # group_key -> [the calling thread's ident, whether another call overlapped it]

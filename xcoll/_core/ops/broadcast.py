@@ -30,7 +30,10 @@ class Broadcast(Move):
     def validate(self, flat, transport, sync, to_cpu):
         super().validate(flat, transport, sync, to_cpu)
         w = transport.world
-        if isinstance(self.src, bool) or not isinstance(self.src, int) or not 0 <= self.src < w:
+        src = self.src
+        if src.__class__ is not int and (isinstance(src, bool) or not isinstance(src, int)):
+            raise ValueError(f"src={src!r} is not a replica rank: world size is {w}")
+        if not 0 <= src < w:
             raise ValueError(f"src={self.src!r} is not a replica rank: world size is {w}")
 
     def key(self, flat, world):

@@ -36,8 +36,9 @@ class Gather(Move):
         return f"{gather_params(self.dim, self.stack, False, None)} {super().head(sync, to_cpu)}"
 
     def validate(self, flat, transport, sync, to_cpu):
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise TypeError(f"dim must be an int, got {self.dim!r}")
+        dim = self.dim
+        if dim.__class__ is not int and (isinstance(dim, bool) or not isinstance(dim, int)):
+            raise TypeError(f"dim must be an int, got {dim!r}")
         super().validate(flat, transport, sync, to_cpu)
 
     def key(self, flat, world):

@@ -57,7 +57,8 @@ class Reduce(Packed):
 
     def key(self, flat, world):
         # (the plan reads the tuning's widen: a plan never outlives the value it was made with)
-        return ("reduce", _tree.prefix_key(self.op), self.grad, world, tuning().widen, flat.key)
+        op = self.op if self.op.__class__ is str else _tree.prefix_key(self.op)
+        return ("reduce", op, self.grad, world, tuning().widen, flat.key)
 
     def plan(self, flat, world):
         ops = _tree.broadcast_prefix(self.op, flat, "op")
