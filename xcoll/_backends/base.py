@@ -62,6 +62,8 @@ class Kernels:
         in ``joined``'s order) as the bytes of one new int32 buffer of
         ``joined.words`` words (:class:`xcoll._encode.pack.Joined`). The bytes are
         copied as they are, so every dtype moves bit for bit."""
+        if joined.words * 4 <= _pack.CAT_GRAIN:  # (one copy of each segment, on one thread)
+            return _pack.cat_bytes(segments, joined.nbytes, joined.padded).view(torch.int32)
         out = torch.empty(joined.words, dtype=torch.int32, device=segments[0][0].device)
         raw = out.view(torch.uint8)
         at = 0
@@ -74,26 +76,33 @@ class Kernels:
         return out
 
     def unjoin(
-        self, result: torch.Tensor, joined: _pack.Joined, world: int | None, wire: bool = False
+        self,
+        result: torch.Tensor,
+        joined: _pack.Joined,
+        world: int | None,
+        wire: bool = False,
+        skip: int = 0,
     ) -> list[torch.Tensor]:
         """Inverse of :meth:`join` on the collective's result: each segment
         1-d, as its dtype (with ``wire``, as its integer wire form, for
         :func:`xcoll._encode.wire.decode_move` after a download). With ``world`` (a
         gather's ``(world * words,)`` result) each slot's ``(world, size)``
         block is contiguous, in slot order (:func:`xcoll._encode.pack.slot_major`):
-        a gathered leaf is then one reshape away."""
+        a gathered leaf is then one reshape away. The first ``skip`` segments
+        (a header read already) are left out."""
         raw = result.view(torch.uint8)
         w = world or 1
         rows = raw.view(w, -1) if w > 1 else raw
         out = []
-        for dtype, (at, n, spans) in zip(joined.dtypes, joined.segments, strict=True):
+        layout = zip(joined.dtypes[skip:], joined.segments[skip:], strict=True)
+        for dtype, (at, n, spans) in layout:
             # (each segment cut alone, its padding left behind: one copy of
             # each run of equal slots, none for a replica's own bytes)
             seg = _pack.slot_major(rows[:, at : at + n], spans) if w > 1 else raw[at : at + n]
             if wire:
-                out.append(seg.view(_wire.wire_dtype(dtype)))
+                out += [seg.view(_wire.wire_dtype(dtype))]
             else:  # (a view of the bytes as the dtype is the torch bitcast)
-                out.append(seg != 0 if dtype == torch.bool else seg.view(dtype))
+                out += [seg != 0 if dtype == torch.bool else seg.view(dtype)]
         return out
 
     def encode_reduce(
@@ -137,7 +146,7 @@ class Kernels:
         out = []
         for k, (flat, bucket_shapes) in enumerate(zip(flats, shapes, strict=True)):
             if not casts or not any(casts[k]):
-                out.append(_pack.split(flat, bucket_shapes))
+                out += [_pack.split(flat, bucket_shapes)]
                 continue
             pieces, at = [], 0  # (one cast per run of pieces of one dtype)
             for dtype, run in itertools.groupby(

@@ -542,8 +542,8 @@ class XlaKernels(Kernels):
             ]
         return Join(joined)(flat)[0]
 
-    def unjoin(self, result, joined, world, wire=False):
-        return Unjoin(joined, world or 1, wire)([result])
+    def unjoin(self, result, joined, world, wire=False, skip=0):
+        return Unjoin(joined, world or 1, wire)([result])[skip:]
 
     def decode_reduce(self, outs, dtypes, ops, means, world):
         wires = tuple(o.dtype for o in outs)

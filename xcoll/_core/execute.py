@@ -56,7 +56,9 @@ def execute(
 
     Outputs never require grad and never alias the inputs; Python scalar
     leaves come back as Python values (a gather's, as lists)."""
-    if flat.grads:  # (copies of a leaf that requires grad would be recorded by autograd)
+    # (copies of a leaf that requires grad would be recorded by autograd; a
+    # differentiable call's forward runs with grad disabled already)
+    if flat.grads and torch.is_grad_enabled():
         with torch.no_grad():
             out, agree = _outputs(r, flat, transport, signature, sync, to_cpu)
     else:
@@ -223,12 +225,12 @@ def _classed(r: Recipe, transport: Transport, wire: torch.Tensor) -> torch.Tenso
     """The first collective of an eager engine's guarded call, waited for: a
     small one sent in the one size class of :data:`~xcoll._encode.pack.SMALL`
     bytes, its padding cut from the result (a gather's from each replica's row)."""
-    n, size = wire.numel(), wire.element_size()
-    if n * size > _pack.SMALL:  # (every element size divides it)
+    n, size = r.first  # (every element size divides SMALL)
+    if not size:
         result = r.op.send(transport, wire, 0, r)
         transport.wait()
         return result
-    padded = wire.new_zeros(_pack.SMALL // size)
+    padded = wire.new_zeros(size)
     padded[:n] = wire
     result = r.op.send(transport, padded, 0, r)
     transport.wait()

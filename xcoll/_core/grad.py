@@ -104,8 +104,9 @@ class _Differentiable(torch.autograd.Function):
     :class:`Backward` and the rule's take."""
 
     @staticmethod
-    def forward(ctx, op, p, how, *tensors):
-        sync, to_cpu, tag, ctx.group = how
+    def forward(ctx, call, *tensors):
+        # (the call in one argument: autograd's apply visits each argument)
+        op, p, sync, to_cpu, tag, ctx.group = call
         flat, ctx.transport = p.flat, p.transport
         out, ctx.sizes, sig = _call.called(op, p, sync=sync, to_cpu=to_cpu, tag=tag)
         key = (op.name, op.src, op.key(flat, 1))
@@ -131,7 +132,7 @@ class _Differentiable(torch.autograd.Function):
         reduced = optree.tree_leaves(out, none_is_leaf=False)
         took = rule.op.take(reduced, rule.dims, rule.shapes, ctx.transport, ctx.sizes)
         taken = dict(zip(rule.leaves, took, strict=True))
-        return (None,) * 3 + tuple(taken.get(i) for i in rule.tensors)
+        return (None,) + tuple(taken.get(i) for i in rule.tensors)
 
 
 def _identity(forward: _guard.Signature | None) -> _steps.Identity:
@@ -155,6 +156,6 @@ def call(op: _ops.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: A
     if not op.grad or p.error is not None:  # (an error is raised by the call, on every replica)
         return _call.called(op, p, sync=sync, to_cpu=to_cpu, tag=tag)[0]
     assert p.flat is not None
-    treespec, tensors = p.flat.treespec, [p.flat.leaves[i] for i in p.flat.tensors]
-    out = _Differentiable.apply(op, p, (sync, to_cpu, tag, group), *tensors)
+    treespec, tensors = p.flat.treespec, map(p.flat.leaves.__getitem__, p.flat.tensors)
+    out = _Differentiable.apply((op, p, sync, to_cpu, tag, group), *tensors)
     return treespec.unflatten(out)

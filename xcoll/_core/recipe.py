@@ -133,6 +133,10 @@ class Recipe:
     #: collective is an identity, so each output is its leaf's own copy
     #: (:func:`xcoll._core.execute.execute`).
     identity: bool = False
+    #: Of an eager engine's guarded call (:attr:`Guard.when` "first"): the
+    #: elements of its first collective's buffer, and of the size class it is
+    #: sent in (:data:`xcoll._encode.pack.SMALL` bytes; 0: larger, sent as it is).
+    first: tuple[int, int] = (0, 0)
     #: A lazy engine's call whose buffers, header included, fit in
     #: :data:`xcoll._encode.pack.SMALL` bytes: with sync, packed and cut on
     #: the host around one all-gather of that size (:mod:`xcoll._backends.hosted`).
@@ -219,7 +223,19 @@ def build(
         ints=tuple(b[k].exact for k in live if b[k].scalars),
         identity=identity,
         hosted=lazy and world > 1 and not identity and small,
+        first=_first(layout, [b[k] for k in live], ops, part_shapes) if g else (0, 0),
     )
+
+
+def _first(joined: _pack.Joined | None, buckets, ops, part_shapes) -> tuple[int, int]:
+    """:attr:`Recipe.first`: a move's joined buffer (int32 words; the header
+    makes one), or a reduce's bucket 0, encoded."""
+    if joined is not None:
+        n, size = joined.words, 4
+    else:
+        n = sum(math.prod(s) for s in part_shapes[0])
+        size = _wire.reduced_dtype(buckets[0].dtype, ops[0]).itemsize
+    return n, _pack.SMALL // size if n * size <= _pack.SMALL else 0
 
 
 def _apart(b: list[_pack.Bucket], live: list[int], alone: int) -> tuple[int, ...]:

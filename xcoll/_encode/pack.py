@@ -181,10 +181,10 @@ def slot_major(buf: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> torc
     for a, k, n in spans:
         block = buf[:, a : a + k * n].reshape(w, k, n).transpose(0, 1)
         into = out[at : at + w * k * n].view(k, w, n)
-        # Written in place, in copies of at most _CAT_GRAIN elements: a larger
+        # Written in place, in copies of at most CAT_GRAIN elements: a larger
         # copy runs on several threads, which with W processes on 2 cores cost
         # 37 ms per call for 256 leaves (their bytes) against 1 ms
-        step = max(1, _CAT_GRAIN // (w * n)) if n else k
+        step = max(1, CAT_GRAIN // (w * n)) if n else k
         for c in range(0, k, step):
             into[c : c + step].copy_(block[c : c + step])
         at += w * k * n
@@ -251,7 +251,8 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-_CAT_GRAIN = 32768  # torch's GRAIN_SIZE: larger copies run on several threads
+#: torch's GRAIN_SIZE: larger copies run on several threads.
+CAT_GRAIN = 32768
 
 
 @dataclass(frozen=True)
@@ -342,17 +343,17 @@ def fill(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
     part is copied alone (its copy is worth the threads)."""
     if not parts:
         return
-    if out.numel() <= _CAT_GRAIN:  # (flattened in one C++ call, not one Python call each)
+    if out.numel() <= CAT_GRAIN:  # (flattened in one C++ call, not one Python call each)
         out.copy_(torch._C._nn.flatten_dense_tensors(list(parts)))  # (torch._utils' own call)
         return
     group: list[torch.Tensor] = []
     at = start = 0
     for p in parts:
         n = p.numel()
-        if group and at - start + n > _CAT_GRAIN:
+        if group and at - start + n > CAT_GRAIN:
             torch.cat(group, out=out[start:at])
             group, start = [], at
-        if n > _CAT_GRAIN:
+        if n > CAT_GRAIN:
             out[at : at + n].copy_(p.reshape(-1))
             start = at + n
         else:
@@ -360,6 +361,22 @@ def fill(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
         at += n
     if group:
         torch.cat(group, out=out[start:at])
+
+
+def cat_bytes(
+    segments: Sequence[Sequence[torch.Tensor]], nbytes: Sequence[int], padded: Sequence[int]
+) -> torch.Tensor:
+    """The bytes of each segment's ``parts`` (of one dtype, ``nbytes`` bytes
+    in all), flattened, each segment followed by zero bytes up to
+    ``padded``, as one new 1-d uint8 tensor: a :class:`Joined` buffer, in one
+    copy of each part (for buffers of at most ``CAT_GRAIN`` bytes: torch.cat
+    runs on one thread there)."""
+    pieces: list[torch.Tensor] = []
+    for parts, n, p in zip(segments, nbytes, padded, strict=True):
+        # (of one part, a view: the cat is the copy)
+        seg = torch._C._nn.flatten_dense_tensors(list(parts)).view(torch.uint8)
+        pieces += [seg, seg.new_zeros(p - n)] if p > n else [seg]
+    return torch.cat(pieces)
 
 
 def concat(parts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:

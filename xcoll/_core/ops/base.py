@@ -291,9 +291,11 @@ class Move(Packed):
     def wires(self, r, transport, parts, head):
         wires = []
         if r.joined is not None:
-            segments = head + [parts[j] for j in r.joined.order]
+            segments = head + list(map(parts.__getitem__, r.joined.order))
             wires.append(transport.kernels.join(segments, r.joined))
-        return wires + [self.alone(transport, parts[j][0]) for j in r.alone]
+        if r.alone:
+            wires += [self.alone(transport, parts[j][0]) for j in r.alone]
+        return wires
 
     @abstractmethod
     def alone(self, transport: Transport, leaf: torch.Tensor) -> torch.Tensor:
@@ -320,10 +322,14 @@ def _unjoin(r: Recipe, kernels: Kernels, results, wire: bool):
     slot is slot-major already)."""
     flats: list[Any] = [None] * len(r.buckets)
     header = None
-    results = list(results)
     if r.joined is not None:
-        segments = kernels.unjoin(results.pop(0), r.joined, r.rows, wire)
-        header = segments.pop(0) if r.guard is not None else None
+        # (the header's segment is cut only where it is read with the outputs,
+        # on a lazy engine: an eager one read it from the result as it arrived)
+        late = r.guard is not None and r.guard.when == "outputs"
+        skip = int(r.guard is not None and not late)
+        segments = kernels.unjoin(results[0], r.joined, r.rows, wire, skip)
+        results = results[1:]
+        header = segments.pop(0) if late else None
         for j, seg in zip(r.joined.order, segments, strict=True):
             flats[j] = seg
     for j, got in zip(r.alone, results, strict=True):
