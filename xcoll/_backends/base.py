@@ -98,7 +98,12 @@ class Kernels:
         for dtype, (at, n, spans) in layout:
             # (each segment cut alone, its padding left behind: one copy of
             # each run of equal slots, none for a replica's own bytes)
-            seg = _pack.slot_major(rows[:, at : at + n], spans) if w > 1 else raw[at : at + n]
+            if w == 1:
+                seg = raw[at : at + n]
+            elif spans[1:] or spans[0][1] > 1:
+                seg = _pack.slot_major(rows[:, at : at + n], spans)
+            else:  # (one slot: its rows, one after another)
+                seg = rows[:, at : at + n].reshape(-1)
             if wire:
                 out += [seg.view(_wire.wire_dtype(dtype))]
             else:  # (a view of the bytes as the dtype is the torch bitcast)

@@ -135,7 +135,7 @@ class DistTransport(Transport):
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         if buf.dtype in _WIDER:
             return self.all_gather(buf.view(torch.uint8)).view(buf.dtype)
-        out = buf.new_empty(self.world * buf.numel())
+        out = buf.new_empty(self.world * buf.shape[0])  # (buffers are 1-d)
         pg = self._group()
         try:
             work = pg._allgather_base(out, buf, _GATHER)
@@ -143,7 +143,7 @@ class DistTransport(Transport):
             # A backend without it: the list form, writing into views of ``out``.
             self._start(pg.allgather, [list(out.chunk(self.world))], [buf], _GATHER)
             return out
-        self._pending.append(work)
+        self._pending += [work]
         return out
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
@@ -173,7 +173,7 @@ class DistTransport(Transport):
 
     def _start(self, collective: Callable[..., Any], *args: Any) -> None:
         try:
-            self._pending.append(collective(*args))
+            self._pending += [collective(*args)]
         except RuntimeError as e:  # a connection closed by an earlier timeout
             raise EngineError(str(e)) from e
 

@@ -42,14 +42,6 @@ class Prepared:
     plan: Plan | None
     error: Exception | None
 
-    def clear(self) -> None:
-        """Drops the tree and the error: the error's traceback holds the
-        frames that hold this, and an XLA tensor kept alive on one replica
-        (until a garbage collection frees the cycle) joins its next graph
-        (seen: XLA's abort after a caught error, the replicas' programs
-        differing)."""
-        self.flat = self.plan = self.error = None
-
 
 def prepare(op: Op, tree: Any, group: Any, sync: bool, to_cpu: bool) -> Prepared:
     """``tree`` flattened, its backend resolved and ``op``'s plan taken; an
@@ -59,7 +51,9 @@ def prepare(op: Op, tree: Any, group: Any, sync: bool, to_cpu: bool) -> Prepared
         try:
             flat = _tree.flatten(tree)
             transport = _backends.resolve(flat, group)
-            plan = _prepare(op, flat, transport, sync, to_cpu)
+            op.validate(flat, transport, sync, to_cpu)
+            w = transport.world
+            plan = _plans.get(op.key(flat, w), op.plan, flat, w)
         except (TypeError, ValueError) as e:
             error = e
         if transport is None:  # the call's own error is the one to report
@@ -91,7 +85,11 @@ def called(
             assert p.flat is not None and p.plan is not None  # (else entered raised the error)
             return (*op.apply(p.flat, p.transport, p.plan, sync, to_cpu, sig), sig)
     finally:
-        p.clear()
+        # Drops the tree and the error: the error's traceback holds the frames
+        # that hold ``p``, and an XLA tensor kept alive on one replica (until a
+        # garbage collection frees the cycle) joins its next graph (seen: XLA's
+        # abort after a caught error, the replicas' programs differing).
+        p.flat = p.plan = p.error = None
 
 
 def run(

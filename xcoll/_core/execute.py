@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .._backends.base import TORCH, Kernels, Transport
+from .._backends.base import TORCH, Transport
 from .._backends.hosted import Hosted
 from .._encode import pack as _pack
 from .._encode import wire as _wire
@@ -60,21 +60,16 @@ def execute(
     # differentiable call's forward runs with grad disabled already)
     if flat.grads and torch.is_grad_enabled():
         with torch.no_grad():
-            out, agree = _outputs(r, flat, transport, signature, sync, to_cpu)
+            return execute(r, flat, transport, signature, sync=sync, to_cpu=to_cpu)
+    if r.identity:
+        out, agree = _identity(r, flat, transport, to_cpu), True
+    elif r.hosted and sync:
+        out, agree = _hosted(r, flat, transport, signature, to_cpu)
     else:
-        out, agree = _outputs(r, flat, transport, signature, sync, to_cpu)
+        out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
     for i in flat.scalars:
         out[i] = r.op.python(out[i], flat.leaves[i])
     return flat.treespec.unflatten(out), agree
-
-
-def _outputs(r: Recipe, flat, transport: Transport, signature, sync: bool, to_cpu: bool):
-    """The output leaves (Python scalars as CPU tensors), and the verdict."""
-    if r.identity:
-        return _identity(r, flat, transport, to_cpu), True
-    if r.hosted and sync:
-        return _hosted(r, flat, transport, signature, to_cpu)
-    return _leaves_out(r, flat, transport, signature, sync, to_cpu)
 
 
 def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
@@ -153,13 +148,21 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     late = _arrived(r, transport, results[0]) if r.guard and r.guard.when == "last" else None
     flats, header = r.op.decoded(r, transport, results, to_cpu)
     del results
-    pieces, header = _pieces(r, TORCH if to_cpu else transport.kernels, flats, header)
+    # each live bucket's output pieces, and the header's piece (a reduce's:
+    # bucket 0's first) if it is still to be read (lazy engines)
+    kernels = TORCH if to_cpu else transport.kernels
+    pieces = kernels.split(flats, r.shapes, r.casts) if flats else []
     del flats
+    if r.header_in_bucket:
+        header = pieces[0].pop(0)
+    if r.guard is None or r.guard.when != "outputs":
+        header = None
     blocks = _place(r, pieces, out)
     if r.empties:
         _empties(r, flat, out, to_cpu)
     del pieces
-    blocks, header = _materialise(transport, blocks, header, sync, to_cpu)
+    if sync and not to_cpu and (blocks or header is not None or transport.lazy):
+        blocks, header = _materialise(transport, blocks, header)
     if header is not None:
         assert mine is not None
         if sync:
@@ -206,14 +209,23 @@ def _wires(r: Recipe, flat, transport: Transport, mine) -> list[torch.Tensor]:
 def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> list[torch.Tensor]:
     """Every collective's result, waited for. On an eager engine the first
     one's header is checked before the others start (a call whose buckets
-    differ in number stops there)."""
+    differ in number stops there), and a small first one is sent in the one
+    size class of :data:`~xcoll._encode.pack.SMALL` bytes (:attr:`Recipe.first`),
+    its padding cut from the result (a gather's rows stay padded: its
+    segments are cut from each row by offset)."""
+    n, size = r.first  # (every element size divides SMALL)
+    wire = wires[0]
+    if size:
+        wire = wire.new_zeros(size)
+        wire[:n] = wires[0]
+    results = [r.op.send(transport, wire, 0, r)]
     first = r.guard is not None and r.guard.when == "first"
     if first:
-        results = [_classed(r, transport, wires[0])]
+        transport.wait()
+        if size and r.rows == 1:
+            results[0] = results[0][:n]
         if _arrived(r, transport, results[0]) != mine.wire:  # (as :func:`_check`)
             _guard.fire(transport, signature)
-    else:
-        results = [r.op.send(transport, wires[0], 0, r)]
     if wires[1:]:
         results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
     if wires[1:] or not first:  # (eager engines start every collective asynchronously)
@@ -221,27 +233,11 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
     return results
 
 
-def _classed(r: Recipe, transport: Transport, wire: torch.Tensor) -> torch.Tensor:
-    """The first collective of an eager engine's guarded call, waited for: a
-    small one sent in the one size class of :data:`~xcoll._encode.pack.SMALL`
-    bytes, its padding cut from the result (a gather's from each replica's row)."""
-    n, size = r.first  # (every element size divides SMALL)
-    if not size:
-        result = r.op.send(transport, wire, 0, r)
-        transport.wait()
-        return result
-    padded = wire.new_zeros(size)
-    padded[:n] = wire
-    result = r.op.send(transport, padded, 0, r)
-    transport.wait()
-    return result[:n] if r.rows == 1 else result.view(r.rows, -1)[:, :n].reshape(-1)
-
-
 def _arrived(r: Recipe, transport: Transport, result: torch.Tensor) -> bytes:
     """The header part of the first collective's result (eager engines),
     downloaded alone."""
     n = r.guard.size if r.guard else 0
-    first = result[:n] if r.rows == 1 else result.view(r.rows, -1).narrow(1, 0, n)
+    first = result[:n] if r.rows == 1 else result.view(r.rows, -1)[:, :n]
     return _guard.as_bytes(transport.to_host([first])[0])
 
 
@@ -249,15 +245,6 @@ def _check(transport: Transport, signature, got: bytes, expected: bytes) -> None
     """The verdict: the same result on every replica, so the same verdict."""
     if got != expected:
         _guard.fire(transport, signature)
-
-
-def _pieces(r: Recipe, kernels: Kernels, flats, header):
-    """Each live bucket's output pieces, cut by ``kernels``; and the header's
-    piece if it is still to be read (lazy engines)."""
-    pieces = kernels.split(flats, r.shapes, r.casts) if flats else []
-    if r.header_in_bucket:  # the header's piece of bucket 0
-        header = pieces[0].pop(0)
-    return pieces, header if r.guard is not None and r.guard.when == "outputs" else None
 
 
 def _place(r: Recipe, pieces, out: list[Any]) -> list[torch.Tensor]:
@@ -283,15 +270,14 @@ def _empties(r: Recipe, flat, out: list[Any], to_cpu: bool) -> list[Any]:
     return out
 
 
-def _materialise(
-    transport: Transport, blocks: Sequence[torch.Tensor], header, sync: bool, to_cpu: bool
-):
-    """The scalar blocks and the header's piece on the host (device outputs:
-    one sync and one fetch, in which the outputs materialise; with ``to_cpu``
-    they are there already). Only the outputs, the scalar blocks and the
-    header are referenced here, so they alone become graph outputs."""
-    if to_cpu or not sync:  # (without sync: no scalar blocks, the call was validated)
-        return list(blocks), header
+def _materialise(transport: Transport, blocks: Sequence[torch.Tensor], header):
+    """The scalar blocks and the header's piece on the host, for a call with
+    ``sync`` whose outputs stay on the device: one sync and one fetch, in
+    which the outputs materialise (with ``to_cpu`` they are on the host
+    already; without ``sync`` there are no scalar blocks, the call was
+    validated, and the header is read after the caller's sync). Only the
+    outputs, the scalar blocks and the header are referenced here, so they
+    alone become graph outputs."""
     fetch = list(blocks) + ([header] if header is not None else [])
     if fetch:
         fetch = transport.sync_and_fetch(fetch)
@@ -326,7 +312,6 @@ class Verdict:
         if transport.replica_threads:
             rank = transport.rank_name(transport.rank())
             watch = _watchdog.watch(functools.partial(_unread, signature.name, rank))
-            watch.__enter__()
         return cls(transport, signature, header, expected, watch)
 
     def read(self) -> None:

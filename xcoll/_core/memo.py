@@ -26,6 +26,9 @@ class Memo(Generic[V]):
         self._values: dict[Hashable, V] = {}
         self._limit = limit
         self._lock = threading.Lock() if locked else None
+        #: ``hit(key)``: the value for a hashable ``key`` if built, else None
+        #: (the dict's own lookup, for a call's path: a hit makes no Python call).
+        self.hit: Callable[[Hashable], V | None] = self._values.get
 
     def get(self, key: Hashable, build: Callable[..., V], *args: object) -> V:
         try:

@@ -68,19 +68,16 @@ class Flat:
     leaves: list[Any]
     treespec: optree.PyTreeSpec
     signature: tuple
+    #: ``(treespec, signature)``: equal for trees of the same structure, leaf
+    #: types, dtypes, shapes and devices. (It cannot be hashed if the treespec
+    #: holds an unhashable object: then caches keyed by it build per call.)
+    key: tuple
     devices: tuple[torch.device, ...]
     scalars: tuple[int, ...]
     tensors: tuple[int, ...] = ()
     zero_d: tuple[int, ...] = ()
     #: Whether a tensor leaf requires grad (whose copies autograd would record).
     grads: bool = False
-
-    @property
-    def key(self) -> tuple:
-        """Equal for trees of the same structure, leaf types, dtypes, shapes and
-        devices. (It cannot be hashed if the treespec holds an unhashable
-        object: then caches keyed by it build per call.)"""
-        return (self.treespec, self.signature)
 
     @functools.cached_property
     def paths(self) -> list[str]:
@@ -151,8 +148,9 @@ def flatten(tree: Any) -> Flat:
         grads = any(signature[i][4] for i in tensors)
         return ints, devices, scalars, tensors, zero_d, grads
 
-    known = _checked.get((treespec, signature), check)
-    flat = Flat(tree, leaves, treespec, signature, *known[1:])
+    key = (treespec, signature)
+    known = _checked.get(key, check)
+    flat = Flat(tree, leaves, treespec, signature, key, *known[1:])
     for i in known[0]:
         if not _INT64_MIN <= leaves[i] <= _INT64_MAX:
             raise ValueError(f"{flat.path(i)}: Python int {leaves[i]} does not fit in int64")

@@ -382,7 +382,13 @@ def cat_bytes(
 def concat(parts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """``parts`` flattened and concatenated into one new 1-d tensor of
     ``dtype`` (default: the first part's; :func:`fill`)."""
-    out = parts[0].new_empty(sum(map(torch.Tensor.numel, parts)), dtype=dtype)
+    n = sum(map(torch.Tensor.numel, parts))
+    if n <= CAT_GRAIN:
+        # (one C++ call, which converts exactly: a merged bucket's narrower
+        # parts promote to at most its dtype; of one part it is a view: copied)
+        flat = torch._C._nn.flatten_dense_tensors(list(parts))
+        return flat.to(dtype or flat.dtype, copy=not parts[1:])
+    out = parts[0].new_empty(n, dtype=dtype)
     fill(out, parts)
     return out
 

@@ -111,9 +111,14 @@ _KEY = os.environ.encodekey("XCOLL_CHECK") if _ENVIRON is not None else None
 
 def mode() -> str:
     """This thread's mode: :func:`consistency_checks`, else ``XCOLL_CHECK``."""
-    m = getattr(_local, "mode", None)
+    # (lookups, not calls: this runs on every call's path)
+    state = _local.__dict__
+    m = state["mode"] if "mode" in state else None
     if m is None:
-        raw = _ENVIRON.get(_KEY) if _ENVIRON is not None else os.environ.get("XCOLL_CHECK")
+        if _ENVIRON is not None:
+            raw = _ENVIRON[_KEY] if _KEY in _ENVIRON else None
+        else:
+            raw = os.environ.get("XCOLL_CHECK")
         m = "guard" if raw is None else raw if raw.__class__ is str else os.environ.decodevalue(raw)
     if m not in MODES:
         raise ValueError(f"XCOLL_CHECK must be one of {MODES}, got {m!r}")

@@ -102,7 +102,7 @@ class Signature:
             return _on(transport, _build(self.fingerprint(), dtype, op, how, world))
         d = self.description.digest
         key = (self.name, self.head, d, dtype, op.__class__, how, world, transport.device)
-        return _headers.get(
+        return _headers.hit(key) or _headers.get(
             key, lambda: _on(transport, _build(self.fingerprint(), dtype, op, how, world))
         )
 
@@ -369,7 +369,6 @@ class entered:
                 self.watch = _watchdog.watch(
                     lambda seconds: diagnosis(t.rank_name(t.rank()), signature, seconds, t.lazy)
                 )
-                self.watch.__enter__()
             # (beyond EXACT_SUMS replicas a guard header summed in 8-bit
             # integers could wrap: every call is then checked in full too)
             full = w > EXACT_SUMS
@@ -452,7 +451,7 @@ def claim(transport: Transport, name: str) -> list[Any] | None:
                 "paired differently. Make a new process group (on XLA, restart the "
                 "replicas), and call from one thread at a time"
             )
-        entry = _busy.get(key)
+        entry = _busy[key] if key in _busy else None
         if entry is not None and entry[0] == me:  # a call within this thread's own call
             return None
         if entry is not None:

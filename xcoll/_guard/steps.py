@@ -128,13 +128,11 @@ def tag(group_key: Hashable, explicit: Any = None) -> tuple[str, int]:
     :class:`Identity` is the tag), and its number among this thread's calls
     on that group (what a backward names its forward by)."""
     state = _local.__dict__  # (this thread's: its call numbers, its open blocks)
-    numbers = state.get("numbers")
-    if numbers is None:
-        numbers = state["numbers"] = {}
+    numbers = state["numbers"] if "numbers" in state else state.setdefault("numbers", {})
     number = numbers[group_key] = numbers[group_key] + 1 if group_key in numbers else 0
     if explicit is not None and isinstance(explicit, Identity):
         return explicit.text, number
-    blocks = state.get("blocks")
+    blocks = state["blocks"] if "blocks" in state else None
     if not blocks and explicit is None:  # (an untagged call outside any block)
         return "", number
     parts = []

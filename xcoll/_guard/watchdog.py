@@ -56,17 +56,18 @@ def _started() -> None:
 
 
 class watch:
-    """Prints ``message(seconds)`` to stderr if the block runs longer than
-    :data:`AFTER` (a class, not a generator: it is on every call's path)."""
+    """Prints ``message(seconds)`` to stderr if :meth:`__exit__` does not come
+    within :data:`AFTER` seconds of the watch's making; a ``with`` block's
+    body is watched (a class, not a generator: it is on every call's path)."""
 
     def __init__(self, message: Callable[[float], str]):
-        self.message = message
-
-    def __enter__(self) -> None:
         self.key = next(_ids)
-        _watched[self.key] = (time.monotonic() + AFTER, self.message)
+        _watched[self.key] = (time.monotonic() + AFTER, message)
         if _thread is None:
             _started()
+
+    def __enter__(self) -> watch:
+        return self
 
     def __exit__(self, *exc: object) -> None:
         try:

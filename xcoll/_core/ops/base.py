@@ -292,7 +292,7 @@ class Move(Packed):
         wires = []
         if r.joined is not None:
             segments = head + list(map(parts.__getitem__, r.joined.order))
-            wires.append(transport.kernels.join(segments, r.joined))
+            wires = [transport.kernels.join(segments, r.joined)]
         if r.alone:
             wires += [self.alone(transport, parts[j][0]) for j in r.alone]
         return wires

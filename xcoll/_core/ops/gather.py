@@ -35,14 +35,12 @@ class Gather(Move):
     def head(self, sync, to_cpu):
         return f"{gather_params(self.dim, self.stack, False, None)} {super().head(sync, to_cpu)}"
 
-    def validate(self, flat, transport, sync, to_cpu):
+    def key(self, flat, world):
+        # (checked here, on every call: True would find dim=1's plan)
         dim = self.dim
         if dim.__class__ is not int and (isinstance(dim, bool) or not isinstance(dim, int)):
             raise TypeError(f"dim must be an int, got {dim!r}")
-        super().validate(flat, transport, sync, to_cpu)
-
-    def key(self, flat, world):
-        return ("gather", self.dim, self.stack, world, flat.key)
+        return ("gather", dim, self.stack, world, flat.key)
 
     def plan(self, flat, world):
         dims = {
