@@ -223,7 +223,11 @@ def build(
         ints=tuple(b[k].exact for k in live if b[k].scalars),
         identity=identity,
         hosted=lazy and world > 1 and not identity and small,
-        first=_first(layout, [b[k] for k in live], ops, part_shapes) if g else (0, 0),
+        first=(
+            _first(layout, [b[k] for k in live], ops, part_shapes)
+            if g and g.when == "first"
+            else (0, 0)
+        ),
     )
 
 
