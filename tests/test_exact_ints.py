@@ -15,8 +15,8 @@ import torch
 import xcoll
 from tests.helpers import assert_trees, same_bits
 from tests.replicas import device, shared_pool, to_cpu, to_device
+from xcoll._base import tree as _tree_mod
 from xcoll._core import ops as _ops
-from xcoll._core import tree as _tree_mod
 
 # W=2 and W=4 on gloo and on XLA:CPU, and a world of one
 WORLDS = ["local-1", "gloo-2", "gloo-4", "xla-cpu-2", "xla-cpu-4"]

@@ -18,8 +18,8 @@ from hypothesis import example, given, settings
 import xcoll
 from tests.replicas import engine_calls, shared_pool
 from xcoll._backends.base import TORCH
+from xcoll._base import tree as _tree
 from xcoll._core import ops as _ops
-from xcoll._core import tree as _tree
 from xcoll._encode import wire as _wire
 from xcoll._guard import guard as _guard
 

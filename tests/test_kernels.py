@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 
 from tests.helpers import PROPERTY, same_bits
 from tests.replicas import shared_pool
-from xcoll._core.tree import SUPPORTED_DTYPES
+from xcoll._base.tree import SUPPORTED_DTYPES
 from xcoll._encode import pack as _pack
 from xcoll._encode import wire as _wire
 

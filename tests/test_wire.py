@@ -198,8 +198,8 @@ def test_a_merged_bucket_holds_every_value_of_its_leaves(op, leaves, widen):
     value of theirs (uint8 not in int8), up to Tuning.widen bytes of each dtype
     widened; half-precision sums and products with float32's, or with each
     other as float32; every other leaf in a bucket of its own dtype."""
+    from xcoll._base import tree as _tree
     from xcoll._core import ops as _ops
-    from xcoll._core import tree as _tree
 
     if op in ("sum", "prod"):  # (a bool's prod is its min, a sum of bools is refused)
         leaves = [(d, n) for d, n in leaves if d != torch.bool] or [(torch.int8, 1)]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._core import tree as _tree
+from ._base import tree as _tree
 
 
 def by_index(tree: Any, index: torch.Tensor, *, dim: int = 0, length: int | None = None) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist  # part of torch, imported with it
 
-from .._core.tree import Flat
+from .._base.tree import Flat
 from ._launch import launch_hint, without_group
 from .base import LocalTransport, Transport
 from .dist import DistTransport

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._core.tree import Flat
+from .._base.tree import Flat
 from .._encode import pack as _pack
 from .._encode import wire as _wire
 

@@ -43,8 +43,8 @@ import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from .._core import memo as _memo
-from .._core import tree as _tree
+from .._base import memo as _memo
+from .._base import tree as _tree
 from .._encode import pack as _pack
 from .._encode import wire as _wire
 from . import _xlac

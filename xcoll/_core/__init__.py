@@ -2,9 +2,8 @@
 object each (:mod:`~xcoll._core.ops`), a call's steps
 (:mod:`~xcoll._core.call`), plans and recipes (:mod:`~xcoll._core.recipe`), the
 executor (:mod:`~xcoll._core.execute`), uneven gathers
-(:mod:`~xcoll._core.uneven`), the tree: flattening, leaf kinds, paths
-(:mod:`~xcoll._core.tree`), and the cache of what is built once per key
-(:mod:`~xcoll._core.memo`).
+(:mod:`~xcoll._core.uneven`), differentiable calls (:mod:`~xcoll._core.grad`).
+The tree and the memo are the base layer's (:mod:`xcoll._base`).
 
 Nothing is imported here: the modules import each other and the other layers,
 and an import here would make a cycle."""

@@ -15,10 +15,10 @@ from typing import Any
 
 from .. import _backends
 from .._backends.base import Transport
+from .._base import memo as _memo
+from .._base import tree as _tree
 from .._guard import guard as _guard
 from . import execute as _execute
-from . import memo as _memo
-from . import tree as _tree
 from .ops import Op, Packed
 from .recipe import Plan
 

@@ -33,11 +33,11 @@ import torch
 
 from .._backends.base import TORCH, Transport
 from .._backends.hosted import Hosted
+from .._base import tree as _tree
 from .._encode import pack as _pack
 from .._encode import wire as _wire
 from .._guard import guard as _guard
 from .._guard import watchdog as _watchdog
-from . import tree as _tree
 from .recipe import Recipe
 
 

@@ -41,12 +41,12 @@ from typing import Any
 import optree
 import torch
 
+from .._base import memo as _memo
+from .._base import tree as _tree
 from .._guard import guard as _guard
 from .._guard import steps as _steps
 from . import call as _call
-from . import memo as _memo
 from . import ops as _ops
-from . import tree as _tree
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 the :class:`Recipe` that :mod:`xcoll._core.execute` runs straight through.
 
 A plan depends on the op's parameters, the world size and the tree's
-signature (:attr:`xcoll._core.tree.Flat.key`); a recipe adds what the engine and
+signature (:attr:`xcoll._base.tree.Flat.key`); a recipe adds what the engine and
 the mode decide: the guard header (its dtype, how the collective combines it,
 its size and when its verdict is read), which buckets travel, joined or alone,
 and every shape, cast and mean range the executor needs. Both are frozen and
@@ -31,7 +31,7 @@ Shapes = tuple[tuple[int, ...], ...]
 @dataclass(frozen=True)
 class Plan:
     """How one op moves one kind of tree (built once per op parameters, world
-    size and :attr:`xcoll._core.tree.Flat.key`, then reused; building validates the
+    size and :attr:`xcoll._base.tree.Flat.key`, then reused; building validates the
     call, so a call that raises leaves nothing behind)."""
 
     buckets: list[_pack.Bucket]

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._base import tree as _tree
 from .._encode import pack as _pack
 from .._guard import check as _check
 from . import call as _call
 from . import ops as _ops
 from . import recipe as _recipe
-from . import tree as _tree
 
 _MAX_DIMS = 8
 

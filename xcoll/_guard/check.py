@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .._backends.base import Transport
-from .._core import tree as _tree
+from .._base import tree as _tree
 from . import exchange as _exchange
 
 MODES = ("guard", "always", "never")

@@ -59,8 +59,8 @@ from typing import Any, NoReturn, Protocol
 import torch
 
 from .._backends.base import EngineError, Transport
-from .._core import memo as _memo
-from .._core import tree as _tree
+from .._base import memo as _memo
+from .._base import tree as _tree
 from . import check as _check
 from . import exchange as _exchange
 from . import steps as _steps

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from ..._backends.base import TORCH, Kernels, Transport
+from ..._base import tree as _tree
 from ..._encode import pack as _pack
 from ..._encode import wire as _wire
 from ..._guard import check as _check
 from ..._guard import guard as _guard
 from .. import execute as _execute
 from .. import recipe as _recipe
-from .. import tree as _tree
 from ..recipe import Plan, Recipe
 
 

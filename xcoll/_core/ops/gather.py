@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from ..._backends.base import TORCH, Transport
+from ..._base import memo as _memo
+from ..._base import tree as _tree
 from ..._encode import wire as _wire
 from ..._guard import check as _check
-from .. import memo as _memo
-from .. import tree as _tree
 from .base import Move, laid_out
 
 

@@ -12,11 +12,11 @@ from typing import Any, cast
 import torch
 
 from ..._backends.base import TORCH
+from ..._base import tree as _tree
 from ..._encode import pack as _pack
 from ..._encode import wire as _wire
 from ..._guard import check as _check
 from ..._guard import guard as _guard
-from .. import tree as _tree
 from .base import Packed, laid_out, leaf_shape, tuning
 
 OPS = ("sum", "mean", "max", "min", "prod")
