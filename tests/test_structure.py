@@ -225,13 +225,20 @@ class _CountFlattens:
         "max_size-grad",
     ],
 )
-def test_each_call_flattens_its_tree_once(monkeypatch, call, mode):
+def test_each_call_flattens_its_tree_once_and_resolves_its_backend_once(monkeypatch, call, mode):
     # the first call plans (and describes) the tree, the second finds the plan
-    # cached; grad=True included (its forward runs on the one flattened tree)
+    # cached; grad=True included (its forward runs on the one flattened tree,
+    # on the backend its call resolved)
     tree = {"a": torch.ones(3, requires_grad=True), "b": {"c": torch.ones(2, 2), "d": 2.5}}
     xcoll._core.call._plans._values.clear()
     counter = _CountFlattens(monkeypatch, tree)
+    resolved = []
+    resolve = xcoll._backends.resolve
+    monkeypatch.setattr(
+        xcoll._backends, "resolve", lambda *a, **k: resolved.append(a) or resolve(*a, **k)
+    )
     with xcoll.consistency_checks(mode):
         call(tree)
         call(tree)
     assert counter.count == 2
+    assert len(resolved) == 2
