@@ -137,3 +137,18 @@ def test_concat_copies_every_part_in_order_whatever_its_size(sizes, dtype):
     out = torch.full((sum(sizes),), 1, dtype=dtype)
     _pack.fill(out, parts)
     assert torch.equal(out, got)
+
+
+def test_cat_bytes_copies_each_part_and_resolves_a_negative_view():
+    # a segment of one part is a view of it until the cat: never an alias;
+    # a leaf with torch's negative bit set (torch._neg_view) cannot be viewed
+    # as bytes, and travels as its values
+    neg = torch._neg_view(torch.tensor([1.5, -2.0, 0.0]))
+    ints = torch.tensor([7, -3], dtype=torch.int32)
+    out = _pack.cat_bytes([[neg], [ints]], [12, 8], [16, 8])
+    assert out.dtype == torch.uint8 and out.shape == (24,)
+    assert torch.equal(out[:12].view(torch.float32), torch.tensor([-1.5, 2.0, -0.0]))
+    assert torch.equal(out[12:16], torch.zeros(4, dtype=torch.uint8))  # the padding
+    assert torch.equal(out[16:].view(torch.int32), ints)
+    out[16:].view(torch.int32).zero_()
+    assert ints.tolist() == [7, -3]  # a copy, not a view of the part

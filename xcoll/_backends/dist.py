@@ -6,7 +6,9 @@ Each collective is the process group's own method (``pg.allreduce``,
 peers call it after their checks: those checks hold for every xcoll buffer
 (one dense, non-complex tensor, on a group of which this process is a
 member), and their wrappers (logging, torch-function dispatch, checks) made
-most of a small call's host work.
+most of a small call's host work. So a ``TorchFunctionMode`` that intercepts
+``dist`` calls does not see xcoll's, and inside ``dist._coalescing_manager``
+xcoll's collectives run at once (they are not queued).
 
 Gloo has no int16 collectives (and so none for the bits of float16/bfloat16):
 moves send int16 buffers as their bytes, reductions widen them to int32, which
@@ -107,7 +109,8 @@ class DistTransport(Transport):
             )
         self.group = group
         # (weakly: a transport kept in a traceback or an autograd graph must
-        # not keep its group alive past destroy_process_group, see _Group)
+        # not keep the default group alive past destroy_process_group, see
+        # _Group; a group passed as ``group`` is the caller's, held anyway)
         self._pg = weakref.ref(pg)
         g = _groups.get(pg) or _group(pg)
         self.group_key, self.world, self._rank = g.key, g.world, g.rank

@@ -374,7 +374,11 @@ def cat_bytes(
     pieces: list[torch.Tensor] = []
     for parts, n, p in zip(segments, nbytes, padded, strict=True):
         # (of one part, a view: the cat is the copy)
-        seg = torch._C._nn.flatten_dense_tensors(list(parts)).view(torch.uint8)
+        flat = torch._C._nn.flatten_dense_tensors(list(parts))
+        try:
+            seg = flat.view(torch.uint8)
+        except RuntimeError:  # (a view with torch's negative bit, which the cat would resolve)
+            seg = flat.resolve_neg().view(torch.uint8)
         pieces += [seg, seg.new_zeros(p - n)] if p > n else [seg]
     return torch.cat(pieces)
 

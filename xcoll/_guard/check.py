@@ -116,7 +116,10 @@ def mode() -> str:
     m = state["mode"] if "mode" in state else None
     if m is None:
         if _ENVIRON is not None:
-            raw = _ENVIRON[_KEY] if _KEY in _ENVIRON else None
+            try:  # (one lookup: another thread may unset the variable meanwhile)
+                raw = _ENVIRON[_KEY]
+            except KeyError:
+                raw = None
         else:
             raw = os.environ.get("XCOLL_CHECK")
         m = "guard" if raw is None else raw if raw.__class__ is str else os.environ.decodevalue(raw)
