@@ -124,6 +124,9 @@ def engine_calls():
     import torch.distributed as dist
 
     calls: list[tuple[str, torch.Tensor]] = []
+    # (restored from the class's own dict: newer torch's getattr gives the
+    # unbound function, which set back on the class no longer binds the group)
+    saved = {name: vars(dist.ProcessGroup)[name] for name in PG_COLLECTIVES}
     originals = {name: getattr(dist.ProcessGroup, name) for name in PG_COLLECTIVES}
 
     def recording(name):
@@ -139,5 +142,5 @@ def engine_calls():
     try:
         yield calls
     finally:
-        for name, fn in originals.items():
-            setattr(dist.ProcessGroup, name, fn)
+        for name, descriptor in saved.items():
+            setattr(dist.ProcessGroup, name, descriptor)
