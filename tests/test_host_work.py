@@ -27,9 +27,10 @@ TARGETS = {
     "gather grad=True, 1 leaf": 150,
 }
 
-# Measured on a fresh pool, plus 15: a pool that has run other tests counts
-# a few more in some cells (measured: a broadcast 8 more on .ci/run's shared
-# XLA pool), from the caches and state its earlier calls left.
+# Measured on a fresh pool, plus room: a pool that has run other tests counts
+# a few more in some cells, from the caches and state its earlier calls left
+# (measured on the suite's shared XLA pool: a broadcast 8 more, a grad=True
+# gather 22 more; on gloo the counts were those of a fresh pool).
 BOUNDS = {
     "gloo-2": {
         "reduce, 1 leaf": 93 + 15,
@@ -39,11 +40,11 @@ BOUNDS = {
         "gather grad=True, 1 leaf": 118 + 15,
     },
     "xla-cpu-2": {
-        "reduce, 1 leaf": 180 + 15,
-        "gather, 1 leaf": 191 + 15,
-        "broadcast, 1 leaf": 194 + 15,
-        "reduce, 3-leaf metrics": 183 + 15,
-        "gather grad=True, 1 leaf": 212 + 15,
+        "reduce, 1 leaf": 180 + 30,
+        "gather, 1 leaf": 191 + 30,
+        "broadcast, 1 leaf": 194 + 30,
+        "reduce, 3-leaf metrics": 183 + 30,
+        "gather grad=True, 1 leaf": 212 + 30,
     },
 }
 
