@@ -28,7 +28,7 @@ _plans: _memo.Memo[Plan] = _memo.Memo()
 def _prepare(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> Plan:
     op.validate(flat, transport, sync, to_cpu)
     w = transport.world
-    return _plans.get(op.key(flat, w), lambda: op.plan(flat, w))
+    return _plans.get(op.key(flat, w), op.plan, flat, w)
 
 
 @dataclass
@@ -51,9 +51,7 @@ def prepare(op: Op, tree: Any, group: Any, sync: bool, to_cpu: bool) -> Prepared
         try:
             flat = _tree.flatten(tree)
             transport = _backends.resolve(flat, group)
-            op.validate(flat, transport, sync, to_cpu)
-            w = transport.world
-            plan = _plans.get(op.key(flat, w), op.plan, flat, w)
+            plan = _prepare(op, flat, transport, sync, to_cpu)
         except (TypeError, ValueError) as e:
             error = e
         if transport is None:  # the call's own error is the one to report
