@@ -219,8 +219,9 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
         wire = wire.new_zeros(size)
         wire[:n] = wires[0]
     results = [r.op.send(transport, wire, 0, r)]
-    first = r.guard is not None and r.guard.when == "first"
-    if first:
+    # (the verdict read as the first collective arrives: eager engines)
+    early = r.guard is not None and r.guard.when == "first"
+    if early:
         transport.wait()
         if size and r.rows == 1:
             results[0] = results[0][:n]
@@ -228,7 +229,7 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
             _guard.fire(transport, signature)
     if wires[1:]:
         results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
-    if wires[1:] or not first:  # (eager engines start every collective asynchronously)
+    if wires[1:] or not early:  # (eager engines start every collective asynchronously)
         transport.wait()
     return results
 
