@@ -3,16 +3,16 @@
     python -m bench.outputs [--outputs 1 256 1024] [--calls 20]
 
 Runs one XLA:CPU replica in this process (W=1) and, for each ``--outputs`` N,
-applies one XLA computation that cuts a buffer of N * 128 float32 into N
-outputs of shape (8, 16) (what ``xcoll.reduce`` or ``xcoll.broadcast`` with
-device outputs does with the leaves of a tree), then syncs. It prints the
+applies the XLA computation that cuts a buffer of N * 128 float32 into N
+outputs of shape (8, 16) (``XlaKernels.split``: what ``xcoll.reduce`` or
+``xcoll.broadcast`` with device outputs does with the leaves of a tree), then syncs. It prints the
 first call's time and torch_xla's compile time, and the median time per call
 after it (the computation applied, the graph run, its outputs waited for).
 
-Why it is here: at 1024 leaves, device outputs cost more than the targets of
-issue 22 allow (bench/results.md); this shows that the cost is one compiled
-kernel and one tensor per output, and so grows with the leaves, whatever
-the rest of the call does.
+Why it is here: XLA:CPU compiles a kernel per output, and one that cuts at a
+constant offset is a kernel of its own (1024 outputs: 30 s to compile); this
+shows what ``xla.Split``, which takes the offsets as parameters (one kernel
+per shape), costs per output instead.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch_xla
     import torch_xla.debug.metrics as met
 
-    from xcoll._backends.xla import Split, sync
+    from xcoll._backends.xla import XlaKernels, sync
 
     device = torch_xla.device()
     print("| outputs | first call s | compile s | median ms per call |")
@@ -44,13 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     for n in a.outputs:
         buf = torch.randn(n * 128).to(device)
         sync()
-        split = Split((torch.float32,), (((8, 16),) * n,), ((None,) * n,))
         compiled = met.metric_data("CompileTime")
         before = compiled[1] if compiled else 0.0
         times = []
         for _ in range(1 + a.calls):
             t0 = time.perf_counter()
-            outs = split([buf])
+            (outs,) = XlaKernels().split([buf], [((8, 16),) * n])
             sync()  # (runs the graph and waits for it)
             times.append(time.perf_counter() - t0)
         compile_s = (met.metric_data("CompileTime")[1] - before) / 1e9

@@ -296,9 +296,9 @@ device tensors to pack, in 3 dtypes, and {n} host tensors to make.
 
 Device outputs cost more than host outputs at many leaves ({ms(w4, "gather", "xcoll.gather (device")}
 against {ms(w4, "gather", "xcoll.gather(to_cpu")} here): torch_xla makes one output buffer and
-one tensor per leaf, on every replica, and XLA:CPU compiles such a graph slowly
-the first time (the first-call column). The reduce and broadcast panels
-measure device outputs, so they pay this too.
+one tensor per leaf, on every replica (XLA:CPU compiles one kernel per shape
+of them: `xla.Split`). The reduce and broadcast panels measure device
+outputs, so they pay this too.
 """.strip()
 
 
