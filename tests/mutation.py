@@ -45,7 +45,9 @@ MODULES: dict[str, list[str]] = {
     "xcoll/_encode/wire.py": ["xcoll._encode.wire.*"],
     "xcoll/_encode/pack.py": ["xcoll._encode.pack.*"],
     "xcoll/_encode/codec.py": ["xcoll._encode.codec.*"],
-    "xcoll/_guard/guard.py": ["xcoll._guard.guard.*"],
+    "xcoll/_guard/header.py": ["xcoll._guard.header.*"],
+    "xcoll/_guard/verdict.py": ["xcoll._guard.verdict.*"],
+    "xcoll/_guard/entry.py": ["xcoll._guard.entry.*"],
     "xcoll/_guard/check.py": ["xcoll._guard.check.*"],
     "xcoll/_backends/base.py": ["xcoll._backends.base.x?Kernels?*"],
     "xcoll/_backends/xla.py": [
@@ -77,13 +79,14 @@ MODULES: dict[str, list[str]] = {
 #: and those functions (patterns of mutmut's ``module.x_function`` names):
 #: functions that run on a pool's workers, and functions that run when their
 #: module is imported (mutmut would credit whichever test imported it first).
+GUARD = ["xcoll._guard.header.*", "xcoll._guard.verdict.*", "xcoll._guard.entry.*"]
 OWNERS: dict[str, list[str]] = {
     "tests/test_kernels.py": ["xcoll._backends.xla.*"],
-    "tests/test_guard.py": ["xcoll._guard.guard.*", "xcoll._guard.check.*"],
-    # (_guard.own_size is cached: whichever test first asks for a size calls the rest)
-    "tests/test_header.py": ["xcoll._guard.guard.*"],
-    "tests/test_mismatch.py": ["xcoll._guard.guard.*", "xcoll._guard.check.*"],
-    "tests/test_out_of_step.py": ["xcoll._guard.guard.*", "xcoll._guard.check.*"],
+    "tests/test_guard.py": [*GUARD, "xcoll._guard.check.*"],
+    # (header.own_size is cached: whichever test first asks for a size calls the rest)
+    "tests/test_header.py": ["xcoll._guard.header.*"],
+    "tests/test_mismatch.py": [*GUARD, "xcoll._guard.check.*"],
+    "tests/test_out_of_step.py": [*GUARD, "xcoll._guard.check.*"],
     # (which calls are checked in full: "never" ones are not counted)
     "tests/test_check_state.py": ["xcoll._guard.check.x_due*"],
     # (an uneven leaf's growing dim, "*" in its description line)

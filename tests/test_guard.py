@@ -125,18 +125,19 @@ def test_a_calls_summary_names_its_parameters_and_first_lines():
     """The line that messages and the watchdog give a call: its tag and
     parameters, its number of leaves, its description's first three lines."""
     from xcoll._guard import check as _check
-    from xcoll._guard import guard as _guard
+    from xcoll._guard import header as _header
+    from xcoll._guard import verdict as _verdict
 
     def summary(n: int, tag: str = "") -> str:
         lines = [f"tree[{i}]: float32 tensor of shape (2)" for i in range(n)]
         lines += ["structure: PyTreeSpec([*])"] if n else []
-        signature = _guard.Signature("xcoll.gather", "dim=0", _check.Description(tuple(lines)), tag)
-        return _guard._summary(signature)
+        signature = _header.Signature("xcoll.gather", "dim=0", _check.Description(tuple(lines)), tag)
+        return _verdict._summary(signature)
 
     head = "tag: (none); parameters: dim=0; "
     assert summary(0) == head + "no leaves"  # (objects: no description)
     empty = _check.Description(("structure: PyTreeSpec({})",))  # an empty tree
-    assert _guard._summary(_guard.Signature("xcoll.gather", "dim=0", empty)) == head + "no leaves"
+    assert _verdict._summary(_header.Signature("xcoll.gather", "dim=0", empty)) == head + "no leaves"
     assert summary(1) == head + "1 leaf: tree[0]: float32 tensor of shape (2); structure: PyTreeSpec([*])"
     leaf = "float32 tensor of shape (2)"
     assert summary(2) == head + f"2 leaves: tree[0]: {leaf}; tree[1]: {leaf}; structure: PyTreeSpec([*])"
@@ -149,12 +150,13 @@ def test_a_calls_summary_names_its_parameters_and_first_lines():
 
 def test_the_watchdogs_diagnosis_names_the_call_and_what_to_do():
     from xcoll._guard import check as _check
-    from xcoll._guard import guard as _guard
+    from xcoll._guard import header as _header
+    from xcoll._guard import verdict as _verdict
 
     lines = ("tree['x']: float32 tensor of shape (2)", "structure: PyTreeSpec({'x': *})")
     description = _check.Description(lines)
-    signature = _guard.Signature("xcoll.reduce", "op=sum", description, "step 3, call 0")
-    assert _guard.diagnosis("rank 1", signature, 5.2) == (
+    signature = _header.Signature("xcoll.reduce", "op=sum", description, "step 3, call 0")
+    assert _verdict.diagnosis("rank 1", signature, 5.2) == (
         "xcoll: xcoll.reduce on rank 1 has waited 5 s for the other replicas. This replica's "
         "call: tag: step 3, call 0; parameters: op=sum; 1 leaf: tree['x']: float32 tensor of "
         "shape (2); structure: PyTreeSpec({'x': *}); description "
@@ -167,9 +169,9 @@ def test_the_watchdogs_diagnosis_names_the_call_and_what_to_do():
 
 
 def test_a_diagnosis_names_only_the_causes_that_fit_the_engine():
-    from xcoll._guard import guard as _guard
+    from xcoll._guard import verdict as _verdict
 
-    eager, lazy = _guard.causes(False), _guard.causes(True)
+    eager, lazy = _verdict.causes(False), _verdict.causes(True)
     # on torch.distributed: no program
     assert "has not reached this call" in eager and "(2) a replica made a different" in eager
     assert "programs" not in eager, eager
@@ -181,7 +183,7 @@ def test_a_world_of_one_starts_no_watch_and_sends_no_header():
     # it waits for the other replicas; no replica to disagree with: no guard
     from xcoll import _backends
     from xcoll._guard import check as _check
-    from xcoll._guard import guard as _guard
+    from xcoll._guard import entry as _entry
     from xcoll._guard import watchdog as _watchdog
 
     before = next(_watchdog._ids)
@@ -190,7 +192,7 @@ def test_a_world_of_one_starts_no_watch_and_sends_no_header():
     assert next(_watchdog._ids) == before + 1
     t = _backends.current()
     assert t.world == 1
-    with _guard.entered(t, "xcoll.gather", "", _check.Description(())) as signature:
+    with _entry.entered(t, "xcoll.gather", "", _check.Description(())) as signature:
         assert signature is None
 
 
@@ -211,11 +213,11 @@ class _flipped_fingerprints:
     (two fingerprints are SHA-256 digests)."""
 
     def __enter__(self):
-        from xcoll._guard import guard as _guard
+        from xcoll._guard import header as _header
 
         with _install_lock:
             if not _installed[0]:
-                original = _installed[1] = _guard.Signature.fingerprint
+                original = _installed[1] = _header.Signature.fingerprint
 
                 def fingerprint(signature):
                     digest = original(signature)
@@ -226,17 +228,17 @@ class _flipped_fingerprints:
                     flipped[bit // 8] ^= 1 << (bit % 8)
                     return bytes(flipped)
 
-                _guard.Signature.fingerprint = fingerprint
+                _header.Signature.fingerprint = fingerprint
             _installed[0] += 1
 
     def __exit__(self, *exc):
-        from xcoll._guard import guard as _guard
+        from xcoll._guard import header as _header
 
         _FLIP.bit = None
         with _install_lock:
             _installed[0] -= 1
             if not _installed[0]:
-                _guard.Signature.fingerprint = _installed[1]
+                _header.Signature.fingerprint = _installed[1]
 
 
 def _one_bit_differs(cases):
@@ -392,10 +394,10 @@ def _overlap(t, error: Exception | None) -> dict:
     ``error``, if given), then a third call enters: what each raised. Entered
     as public calls are, in mode "never": no check, no collective."""
     from xcoll._guard import check as _check
-    from xcoll._guard import guard as _guard
+    from xcoll._guard import entry as _entry
 
     def entry(name):
-        return _guard.entered(t, name, "", _check.Description(()))
+        return _entry.entered(t, name, "", _check.Description(()))
 
     inside, overlapped, raised = threading.Event(), threading.Event(), {}
 
@@ -421,7 +423,7 @@ def _overlap(t, error: Exception | None) -> dict:
             try:
                 with xcoll.consistency_checks("never"), entry(f"xcoll.{label}"):
                     raised[label] = "entered"
-            except _guard.ConcurrentCallError as e:
+            except _entry.ConcurrentCallError as e:
                 raised[label] = str(e)
             overlapped.set()
             thread.join(60)
@@ -439,15 +441,15 @@ def _exclusive_messages(_):
 
     from xcoll._backends.dist import DistTransport
     from xcoll._guard import check as _check
-    from xcoll._guard import guard as _guard
+    from xcoll._guard import entry as _entry
 
     groups = [dist.new_group(), dist.new_group()]
     t = DistTransport(None, groups[0], groups[0])
     raised = {}
     try:
         with xcoll.consistency_checks("never"):
-            with _guard.entered(t, "xcoll.broadcast", "src=0", _check.Description(())):
-                raise _guard.EngineError("Timed out")
+            with _entry.entered(t, "xcoll.broadcast", "src=0", _check.Description(())):
+                raise _entry.EngineError("Timed out")
     except RuntimeError as e:
         raised["engine"] = str(e)
     raised.update(_overlap(t, None))

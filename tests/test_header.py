@@ -21,7 +21,7 @@ from xcoll._backends.base import TORCH
 from xcoll._base import tree as _tree
 from xcoll._core import ops as _ops
 from xcoll._encode import wire as _wire
-from xcoll._guard import guard as _guard
+from xcoll._guard import header as _header
 
 _REDUCED = sorted(_tree.SUPPORTED_DTYPES, key=str)  # every dtype a reduce takes
 #: Each collective's rules, which build its header (:class:`xcoll._core.ops.Packed`).
@@ -39,7 +39,7 @@ def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> l
     most replicas share one.)"""
     w = len(prints)
     distinct = list(dict.fromkeys(prints))
-    headers = {p: _guard._build(p, dtype, _OP[kind], how, w) for p in distinct}
+    headers = {p: _header._build(p, dtype, _OP[kind], how, w) for p in distinct}
     if kind == "reduce":
         encoded = {
             p: _wire.encode_reduce(h.part.clone(), how, TORCH.bitcast) for p, h in headers.items()
@@ -48,7 +48,7 @@ def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> l
         encoded = {p: _wire.encode_move(h.part, TORCH.bitcast) for p, h in headers.items()}
     wires = [encoded[p] for p in prints]
     if kind == "gather":
-        got = _guard.as_bytes(torch.stack(wires))
+        got = _header.as_bytes(torch.stack(wires))
         return [got == headers[p].wire for p in prints]
     # (one element at a time, in the wire dtype: an integer sum wraps as the engine's)
     result = functools.reduce(_COMBINE["sum" if kind == "broadcast" else how], wires)
@@ -57,7 +57,7 @@ def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> l
         if kind == "reduce"
         else _wire.decode_move(result, dtype, TORCH.bitcast)
     )
-    got, got_decoded = _guard.as_bytes(result), _guard.as_bytes(decoded)
+    got, got_decoded = _header.as_bytes(result), _header.as_bytes(decoded)
     wire_ok = {p: got == h.wire for p, h in headers.items()}
     decoded_ok = {p: got_decoded == h.decoded for p, h in headers.items()}
     assert wire_ok == decoded_ok  # (eager engines read the one, lazy ones the other)
@@ -120,15 +120,15 @@ def test_a_reduce_header_has_one_size_per_width_and_is_small():
     for world in (1, 2, 4, 8, 255):
         for width in (1, 2, 4, 8):
             sizes = {
-                _guard.alike_size(d, how, world)
+                _header.alike_size(d, how, world)
                 for d in _REDUCED
                 if d.itemsize == width
                 for how in _ops(d)
                 if how != "prod"
             }
             assert len(sizes) == 1, (world, width, sizes)
-    assert _guard.alike_size(torch.float32, "sum", 4) == 12
-    assert _guard.alike_size(torch.int64, "max", 4) == 6
+    assert _header.alike_size(torch.float32, "sum", 4) == 12
+    assert _header.alike_size(torch.int64, "max", 4) == 6
     # each op's own values, before the padding to its width's size: k-bit
     # values as wide as the dtype holds exactly (sums: W (2**k - 1)**2 exactly)
     own = {
@@ -142,7 +142,7 @@ def test_a_reduce_header_has_one_size_per_width_and_is_small():
         (torch.float16, "prod"): 128,  # bits and complements
     }
     for (dtype, how), n in own.items():
-        assert len(_guard._values(_fingerprint(0), dtype, how, 4)) == n, (dtype, how)
+        assert len(_header._values(_fingerprint(0), dtype, how, 4)) == n, (dtype, how)
 
 
 _MANTISSA = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
@@ -156,7 +156,7 @@ def test_a_sum_header_uses_the_most_bits_that_stay_exact():
             continue
         exact = 2 ** _MANTISSA[dtype] if dtype.is_floating_point else torch.iinfo(dtype).max
         for world in range(1, 301):
-            k = _guard._width(dtype, "sum", world)
+            k = _header._width(dtype, "sum", world)
             assert k == 1 or world * (2**k - 1) ** 2 <= exact, (dtype, world, k)
             assert world * (2 ** (k + 1) - 1) ** 2 > exact, (dtype, world, k)
     assert _OP["gather"].header_size(torch.int32, "", 4) == 2
@@ -185,7 +185,7 @@ def test_a_small_guarded_reduce_sends_a_small_header(world):
 
     pool = shared_pool(world)
     w = pool.world_size
-    assert 1 + _guard.alike_size(torch.float32, "sum", w) <= 16
+    assert 1 + _header.alike_size(torch.float32, "sum", w) <= 16
     expected = sum(1.5 + r for r in range(w))
     sent = [([pack.SMALL // 4, 1], [expected, expected])] * w
     assert pool.run(_sent, [None] * w) == sent

@@ -141,10 +141,10 @@ def _first_call(args):
 
 @pytest.mark.parametrize("op", ["gather", "reduce"])
 def test_a_first_call_of_thousands_of_leaves_compiles_a_few_programs(op):
-    # 3,000 float32 leaves and a 0-d one (re-uploaded: pending): 5 chunks of
-    # 512 packed ahead, each by one program; the last 440 leaves and the 0-d
-    # one stay parts of the call's own program (a pending leaf stays in its
-    # chunk). At most three programs then (gather's and reduce's packs are
+    # 3,000 float32 leaves and a 0-d one (re-uploaded: pending): every full
+    # chunk of xla.CHUNK packed ahead, each by one program; the last chunk's
+    # leaves and the 0-d one stay parts of the call's own program (a pending
+    # leaf stays in its chunk). At most three programs then (gather's and reduce's packs are
     # the same program), each compiled once (a replica may compile one that
     # the other compiled meanwhile: at most twice), and a second call
     # compiles nothing. (torch_xla counts an execution when it ends, so the

@@ -42,7 +42,9 @@ LAYERS = {
         ["xcoll._guard.watchdog", "xcoll._guard.steps"],
         ["xcoll._guard.exchange"],
         ["xcoll._guard.check"],
-        ["xcoll._guard.guard"],
+        ["xcoll._guard.header"],
+        ["xcoll._guard.verdict"],
+        ["xcoll._guard.entry"],
     ],
     "xcoll._core": [
         ["xcoll._core"],

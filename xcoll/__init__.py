@@ -16,7 +16,7 @@ from ._collectives import broadcast, gather, rank, reduce, sync, world_size
 from ._encode.codec import decode as decode_object
 from ._encode.codec import encode as encode_object
 from ._guard.check import CollectiveMismatchError, consistency_checks
-from ._guard.guard import ConcurrentCallError
+from ._guard.entry import ConcurrentCallError
 from ._guard.steps import step
 from ._objects import barrier, broadcast_object, gather_object
 from ._rng import rng_state, set_rng_state, sync_rng_state

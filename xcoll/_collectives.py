@@ -16,7 +16,7 @@ from . import _backends
 from ._core import grad as _grad
 from ._core import ops as _ops
 from ._core import uneven as _uneven
-from ._guard import guard as _guard
+from ._guard import verdict as _verdict
 from ._guard import watchdog as _watchdog
 
 if TYPE_CHECKING:
@@ -442,5 +442,5 @@ def sync() -> None:
 def _waited(seconds: float, lazy: bool) -> str:
     return (
         f"xcoll: xcoll.sync has waited {seconds:.0f} s: the pending collectives of calls made "
-        f"with sync=False wait for the other replicas. {_guard.causes(lazy)}"
+        f"with sync=False wait for the other replicas. {_verdict.causes(lazy)}"
     )

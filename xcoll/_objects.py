@@ -20,8 +20,9 @@ from ._core import ops as _ops
 from ._encode import codec as _codec
 from ._encode import pack as _pack
 from ._guard import check as _check
+from ._guard import entry as _entry
 from ._guard import exchange as _exchange
-from ._guard import guard as _guard
+from ._guard import verdict as _verdict
 
 
 def _encode_or_error(obj: Any) -> tuple[bytes | None, Exception | None]:
@@ -39,11 +40,11 @@ def _raise_for(failed: list[int], mine: Exception | None, what: str) -> None:
 
 def _entered(
     name: str, head: str, group: Any, tag: Any, error: Exception | None = None
-) -> tuple[Transport, _guard.entered]:
-    """The call's entry (:func:`xcoll._guard.guard.entered`) on its transport."""
+) -> tuple[Transport, _entry.entered]:
+    """The call's entry (:func:`xcoll._guard.entry.entered`) on its transport."""
     transport = _backends.current(group)
     description = _check.Description(())
-    return transport, _guard.entered(transport, name, head, description, error, tag=tag)
+    return transport, _entry.entered(transport, name, head, description, error, tag=tag)
 
 
 def gather_object(obj: Any, *, group: Any = None, tag: str | int | None = None) -> list[Any]:
@@ -84,7 +85,7 @@ def gather_object(obj: Any, *, group: Any = None, tag: str | int | None = None) 
         fingerprint = b"" if signature is None else signature.fingerprint()[:8]
         every = _exchange.gather_bytes(transport, data, fingerprint)
         if every is None:  # the fingerprints differ: so do the calls
-            _guard.fire(transport, signature)
+            _verdict.fire(transport, signature)
         failed = [r for r, d in enumerate(every) if d is None]
         if failed:
             _raise_for(failed, error, "gather_object")
@@ -137,7 +138,7 @@ def broadcast_object(
         buf = transport.upload(_exchange.bytes_tensor(data or b"", _pack.size_bucket(size)))
         out = _call.run(op, buf, transport)
         if not agree:
-            _guard.fire(transport, signature, src)
+            _verdict.fire(transport, signature, src)
         return _codec.decode(transport.to_host([out])[0][:size].numpy().tobytes())
 
 
@@ -176,7 +177,7 @@ def barrier(tag: str = "", *, group: Any = None) -> None:
         tags = _exchange.gather_bytes(transport, tag.encode("utf-8", "surrogatepass"))
         assert tags is not None
         if len(set(tags)) == 1:  # the same tag: the calls differ
-            _guard.fire(transport, signature)
+            _verdict.fire(transport, signature)
         listing = ", ".join(
             f"rank {r}: {t.decode('utf-8', 'surrogatepass')!r}"  # type: ignore[union-attr]
             for r, t in enumerate(tags)

@@ -28,7 +28,8 @@ from ._backends.base import Transport
 from ._core import call as _call
 from ._core import ops as _ops
 from ._guard import check as _check
-from ._guard import guard as _guard
+from ._guard import entry as _entry
+from ._guard import header as _header
 
 
 def _numpy() -> ModuleType | None:
@@ -234,7 +235,7 @@ def sync_rng_state(
     transport = _backends.current(group)
     head = f"src={src} generators={len(generators)}"
     name = "xcoll.sync_rng_state"
-    with _guard.entered(transport, name, head, _check.Description(()), tag=tag) as signature:
+    with _entry.entered(transport, name, head, _check.Description(()), tag=tag) as signature:
         _sync(transport, src, generators, signature)
 
 
@@ -247,7 +248,7 @@ def _sync(
     transport: Transport,
     src: int,
     generators: Sequence[torch.Generator],
-    signature: _guard.Signature | None,
+    signature: _header.Signature | None,
 ) -> None:
     # The caller's pending work runs first, on its own: replicas that drew
     # different numbers of random values (why they sync) have different pending

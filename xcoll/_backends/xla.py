@@ -332,9 +332,13 @@ class Join(_Computation):
 #: before the call's: XLA:CPU compiles a computation of N parameters in time
 #: that grows faster than N (a concatenation of 1,000 leaves 3.8 s, of 3,000
 #: 14 s), and a chunk's program is compiled once for all the chunks of the
-#: same shapes.
+#: same shapes. Small chunks, because a concatenation's compile costs up to
+#: 15 ms per part (float16 parts of mixed shapes: 128 parts 1 s, 512 parts
+#: 7.6 s) and small chunks repeat more often: the first gather of 10,000
+#: mixed leaves took 100 s in chunks of 512, 25 s in chunks of 128 and 8 s in
+#: chunks of 64, a later one about the same in each (``bench.first_calls``).
 CHUNKED_FROM = 1024
-CHUNK = 512
+CHUNK = 64
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ from .. import _backends
 from .._backends.base import Transport
 from .._base import memo as _memo
 from .._base import tree as _tree
-from .._guard import guard as _guard
+from .._guard import entry as _entry
+from .._guard import header as _header
+from .._guard import verdict as _verdict
 from . import execute as _execute
 from .ops import Op, Packed
 from .recipe import Plan
@@ -71,13 +73,13 @@ def prepare(op: Op, tree: Any, group: Any, sync: bool, to_cpu: bool) -> Prepared
 
 def called(
     op: Op, p: Prepared, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
-) -> tuple[Any, Any, _guard.Signature | None]:
+) -> tuple[Any, Any, _header.Signature | None]:
     """The call ``p`` was prepared for: its output tree, what a backward
     needs of it (:meth:`xcoll._core.ops.Op.apply`), and its guard's signature (whose tag and
     number its backward is named by)."""
     description = None if p.plan is None else p.plan.description
     try:
-        with _guard.entered(
+        with _entry.entered(
             p.transport, op.name, op.head(sync, to_cpu), description, p.error, tag=tag
         ) as sig:
             assert p.flat is not None and p.plan is not None  # (else entered raised the error)
@@ -96,13 +98,13 @@ def run(
     transport: Transport,
     *,
     to_cpu: bool = False,
-    signature: _guard.Signature | None = None,
+    signature: _header.Signature | None = None,
 ) -> Any:
     """``op`` on a tree that xcoll built itself, on ``transport``, synchronously
     (guarded as ``signature``, the public call's, if given)."""
     out, agree = outcome(op, tree, transport, to_cpu=to_cpu, signature=signature)
     if not agree:
-        _guard.fire(transport, signature, op.src)
+        _verdict.fire(transport, signature, op.src)
     return out
 
 
@@ -112,7 +114,7 @@ def outcome(
     transport: Transport,
     *,
     to_cpu: bool = False,
-    signature: _guard.Signature | None = None,
+    signature: _header.Signature | None = None,
 ) -> tuple[Any, bool]:
     """As :func:`run`, and the verdict instead of its error where the verdict
     is one-sided (a receiver of gloo's broadcast: see

@@ -36,7 +36,8 @@ from .._backends.hosted import Hosted
 from .._base import tree as _tree
 from .._encode import pack as _pack
 from .._encode import wire as _wire
-from .._guard import guard as _guard
+from .._guard import header as _header
+from .._guard import verdict as _verdict
 from .._guard import watchdog as _watchdog
 from .recipe import Recipe
 
@@ -45,7 +46,7 @@ def execute(
     r: Recipe,
     flat: _tree.Flat,
     transport: Transport,
-    signature: _guard.Signature | None,
+    signature: _header.Signature | None,
     *,
     sync: bool = True,
     to_cpu: bool = False,
@@ -166,7 +167,7 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     if header is not None:
         assert mine is not None
         if sync:
-            _check(transport, signature, _guard.as_bytes(header), mine.decoded)
+            _check(transport, signature, _header.as_bytes(header), mine.decoded)
         else:  # (a lazy call's results exist only after the caller's sync)
             transport.defer(Verdict.deferred(transport, signature, header, mine.decoded))
     for scalars, block, ints in zip(r.scalars, blocks, r.ints, strict=True):
@@ -226,7 +227,7 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
         if size and r.rows == 1:
             results[0] = results[0][:n]
         if _arrived(r, transport, results[0]) != mine.wire:  # (as :func:`_check`)
-            _guard.fire(transport, signature)
+            _verdict.fire(transport, signature)
     if wires[1:]:
         results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
     if wires[1:] or not early:  # (eager engines start every collective asynchronously)
@@ -239,13 +240,13 @@ def _arrived(r: Recipe, transport: Transport, result: torch.Tensor) -> bytes:
     downloaded alone."""
     n = r.guard.size if r.guard else 0
     first = result[:n] if r.rows == 1 else result.view(r.rows, -1)[:, :n]
-    return _guard.as_bytes(transport.to_host([first])[0])
+    return _header.as_bytes(transport.to_host([first])[0])
 
 
 def _check(transport: Transport, signature, got: bytes, expected: bytes) -> None:
     """The verdict: the same result on every replica, so the same verdict."""
     if got != expected:
-        _guard.fire(transport, signature)
+        _verdict.fire(transport, signature)
 
 
 def _place(r: Recipe, pieces, out: list[Any]) -> list[torch.Tensor]:
@@ -296,7 +297,7 @@ class Verdict:
     every replica."""
 
     transport: Transport
-    signature: _guard.Signature
+    signature: _header.Signature
     #: The header's piece of the call's result, on the device.
     header: torch.Tensor
     expected: bytes
@@ -322,7 +323,7 @@ class Verdict:
 
     def check(self, header: torch.Tensor) -> None:
         """Raises where ``header`` (:attr:`header`, fetched) is not :attr:`expected`."""
-        _check(self.transport, self.signature, _guard.as_bytes(header), self.expected)
+        _check(self.transport, self.signature, _header.as_bytes(header), self.expected)
 
 
 def _unread(name: str, rank: str, seconds: float) -> str:

@@ -43,7 +43,7 @@ import torch
 
 from .._base import memo as _memo
 from .._base import tree as _tree
-from .._guard import guard as _guard
+from .._guard import header as _header
 from .._guard import steps as _steps
 from . import call as _call
 from . import ops as _ops
@@ -135,7 +135,7 @@ class _Differentiable(torch.autograd.Function):
         return (None,) + tuple(taken.get(i) for i in rule.tensors)
 
 
-def _identity(forward: _guard.Signature | None) -> _steps.Identity:
+def _identity(forward: _header.Signature | None) -> _steps.Identity:
     """What a backward is named by: its forward call's tag (a step's tag
     names the call by its step, number and place: it realigns each step),
     or, for an untagged forward, its number among this thread's calls on its

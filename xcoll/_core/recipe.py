@@ -23,7 +23,7 @@ import torch
 from .._encode import pack as _pack
 from .._encode import wire as _wire
 from .._guard import check as _check
-from .._guard import guard as _guard
+from .._guard import header as _header
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -52,10 +52,10 @@ class Plan:
 
 @dataclass(frozen=True)
 class Guard:
-    """A call's guard header (:mod:`xcoll._guard.guard`)."""
+    """A call's guard header (:mod:`xcoll._guard.header`)."""
 
     dtype: torch.dtype
-    #: How the collective combines it (:func:`xcoll._guard.guard.own_size`).
+    #: How the collective combines it (:func:`xcoll._guard.header.own_size`).
     how: str
     size: int
     #: When the verdict is read: "first" (eager engines: the first
@@ -65,7 +65,7 @@ class Guard:
     when: str
 
 
-class Collective(_guard.Rules, Protocol):
+class Collective(_header.Rules, Protocol):
     """What :func:`build` and :mod:`xcoll._core.execute` read of a collective
     (:class:`xcoll._core.ops.Packed`: its rules, one method each)."""
 

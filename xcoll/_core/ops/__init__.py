@@ -6,7 +6,7 @@ planned (:class:`xcoll._core.recipe.Plan`); its guard header's dtype, size
 and value under the collective's arithmetic; how its wires are made, sent,
 cut and decoded; how a Python scalar comes back; and its backward rule
 (:meth:`Op.take`). The executor (:mod:`xcoll._core.execute`) and the guard
-(:mod:`xcoll._guard.guard`) read these and never ask which collective it is.
+(:mod:`xcoll._guard.header`) read these and never ask which collective it is.
 Adding a collective is one new op and its public function.
 
 A move (:class:`Move`: gather, broadcast) joins every bucket's bytes into

@@ -21,7 +21,8 @@ from ..._base import tree as _tree
 from ..._encode import pack as _pack
 from ..._encode import wire as _wire
 from ..._guard import check as _check
-from ..._guard import guard as _guard
+from ..._guard import header as _header
+from ..._guard import verdict as _verdict
 from .. import execute as _execute
 from .. import recipe as _recipe
 from ..recipe import Plan, Recipe
@@ -141,7 +142,7 @@ class Op(ABC):
         plan: Plan,
         sync: bool,
         to_cpu: bool,
-        signature: _guard.Signature | None,
+        signature: _header.Signature | None,
     ) -> tuple[Any, Any]:
         """Communicates, guarded as ``signature``; returns the output tree and
         what a backward needs of this call beyond its signature (an uneven
@@ -188,7 +189,7 @@ class Packed(Op):
 
     def how(self, plan: Plan, transport: Transport) -> str:
         """How the collective combines the guard header ("" where its bytes
-        arrive as sent; :func:`xcoll._guard.guard.own_size`)."""
+        arrive as sent; :func:`xcoll._guard.header.own_size`)."""
         return ""
 
     def header_dtype(self, plan: Plan) -> torch.dtype:
@@ -196,8 +197,8 @@ class Packed(Op):
         return torch.int32
 
     def header_size(self, dtype: torch.dtype, how: str, world: int) -> int:
-        """The header's number of elements (:func:`xcoll._guard.guard.own_size`)."""
-        return _guard.own_size(dtype, how, world)
+        """The header's number of elements (:func:`xcoll._guard.header.own_size`)."""
+        return _header.own_size(dtype, how, world)
 
     def header_parts(
         self, values: list[int], dtype: torch.dtype, how: str, world: int
@@ -279,7 +280,7 @@ class Packed(Op):
         r = self.recipe(plan, transport, signature is not None, to_cpu)
         out, agree = _execute.execute(r, flat, transport, signature, sync=sync, to_cpu=to_cpu)
         if not agree:
-            _guard.fire(transport, signature, r.op.src)
+            _verdict.fire(transport, signature, r.op.src)
         return out, None
 
 

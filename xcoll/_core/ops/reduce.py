@@ -16,7 +16,7 @@ from ..._base import tree as _tree
 from ..._encode import pack as _pack
 from ..._encode import wire as _wire
 from ..._guard import check as _check
-from ..._guard import guard as _guard
+from ..._guard import header as _header
 from .base import Packed, laid_out, leaf_shape, tuning
 
 OPS = ("sum", "mean", "max", "min", "prod")
@@ -112,7 +112,7 @@ class Reduce(Packed):
         return plan.buckets[0].dtype  # (bucket 0's first part)
 
     def header_size(self, dtype, how, world):
-        return _guard.alike_size(dtype, how, world)
+        return _header.alike_size(dtype, how, world)
 
     def header_parts(self, values, dtype, how, world):
         part = torch.tensor(values, dtype=dtype)

@@ -1,0 +1,212 @@
+"""The guard's header: every call's first collective carries a fingerprint of
+the call, and every replica checks what arrived before it returns anything
+(the verdict's error: :mod:`~xcoll._guard.verdict`).
+
+The fingerprint is 64 bits of the SHA-256 of the call's signature (function,
+parameters, every leaf's path, dtype, shape and op, the tree structure), the
+same digest the full consistency check compares, so it costs nothing per call
+once the plan is cached. It travels as a header at the front of the call's
+first bucket, in that bucket's dtype, inside the collective the call makes
+anyway: no extra collective, and on XLA no extra execution (the header is
+uploaded once per signature, as data, so that every replica traces the same
+program whatever its fingerprint).
+
+The header's form makes the verdict the same on every replica: each one
+compares the header part of the collective's result, which is the same on
+every replica, with what it would be if every replica's fingerprint were its
+own (bytes against bytes, computed once per signature). It is as short as the
+collective's arithmetic allows (:func:`own_size`, :func:`alike_size`): small reduces stay small.
+
+* gather, and broadcast on torch.distributed (a star from ``src``, where an
+  all-reduce would cost 15x at W=4 on gloo: docs/reliability.md): the 8 bytes
+  themselves, as two wire words. A gather's receives all W; they are W copies
+  of its own only if every fingerprint is its own. The broadcast's receivers
+  compare ``src``'s with their own; ``src`` learns nothing, and returns its
+  own tree, which is its result whatever the others did. This is the one
+  one-sided verdict.
+* an all-reduce sum (reduce, mean, and broadcast on XLA, an integer sum with
+  zeros from every replica but ``src``): the 64 bits cut into values ``v`` of
+  ``k`` bits, each followed later by ``v**2``. Every replica's ``v`` equal
+  gives ``(W v, W v**2)``; a replica that gets that holds ``sum (v_i - v)**2 =
+  sum v_i**2 - 2 v sum v_i + W v**2 = 0``, so every ``v_i`` is its ``v``.
+  ``k`` is the most bits with ``W (2**k - 1)**2`` exact in the bucket's dtype;
+  where that is ``k = 1``, ``v`` alone (a sum of bits is ``W b`` only if all
+  are ``b``), and then 8-bit integers wrap at 256 without harm up to W = 255
+  (above that, every call is also checked in full, :data:`EXACT_SUMS`).
+* max and min: values ``v`` of ``k`` bits and ``c - v`` (``c = 2**k - 1``,
+  ``k`` the most bits the dtype holds exactly): ``max v = v`` and ``max (c -
+  v) = c - v`` only if ``min v = max v``; the same for min.
+* prod: each bit ``b`` and ``1 - b``: ``prod`` of bits is their min.
+
+Whatever op each replica asked for, a differing value gives no replica its
+expected pattern (an op that differs is in the fingerprint too).
+
+The header goes at the front: where an engine delivers part of a larger
+buffer (gloo, when sizes differ), the front is what arrives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import struct
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .._backends.base import Transport
+from .._base import memo as _memo
+from .._base import tree as _tree
+from . import check as _check
+from . import exchange as _exchange
+
+BITS = 64
+#: The most replicas whose header sums are exact in every dtype (8-bit integers
+#: wrap at 256); above it every call is checked in full as well.
+EXACT_SUMS = 255
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a call's replicas must agree on: its function, tag, parameters and tree."""
+
+    name: str
+    head: str
+    description: _check.Description
+    #: The call's step tag (:mod:`xcoll._guard.steps`), "" for an untagged call.
+    tag: str = ""
+    #: The call's number among this thread's calls on its group (not in the
+    #: fingerprint: a backward's tag names its forward by it).
+    number: int = 0
+
+    def fingerprint(self) -> bytes:
+        key = (self.name, self.head, self.description.digest)
+        base = _fingerprints.get(key, lambda: _exchange.sha256("\n".join(key[:2] + (key[2].hex(),))))
+        # (a tag changes from call to call: its fingerprint is not kept)
+        return _exchange.sha256(base.hex() + "\n" + self.tag) if self.tag else base
+
+    def header(
+        self, dtype: torch.dtype, op: Rules, how: str, world: int, transport: Transport
+    ) -> Header:
+        """The call's :class:`Header` for collective ``op``, its part on
+        ``transport``'s device (uploaded as data, so that replicas with
+        different headers trace the same program); kept per signature and
+        device, unless tagged."""
+        if self.tag:  # (a tagged call's fingerprint is a digest made per call)
+            return _on(transport, _build(self.fingerprint(), dtype, op, how, world))
+        d = self.description.digest
+        key = (self.name, self.head, d, dtype, op.__class__, how, world, transport.device)
+        return _headers.hit(key) or _headers.get(
+            key, lambda: _on(transport, _build(self.fingerprint(), dtype, op, how, world))
+        )
+
+
+class Rules(Protocol):
+    """What the guard reads of a collective (:class:`xcoll._core.ops.Packed`):
+    its header's size and value under the collective's arithmetic."""
+
+    def header_size(self, dtype: torch.dtype, how: str, world: int) -> int: ...
+
+    def header_parts(
+        self, values: list[int], dtype: torch.dtype, how: str, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+_fingerprints: _memo.Memo[bytes] = _memo.Memo()
+
+
+@functools.cache
+def own_size(dtype: torch.dtype, how: str, world: int) -> int:
+    """The number of header values (:func:`_values`) in a bucket of ``dtype``
+    combined by ``how`` at ``world`` replicas."""
+    return len(_values(_ZERO, dtype, how, world))
+
+
+@functools.cache
+def alike_size(dtype: torch.dtype, how: str, world: int) -> int:
+    """A reduce's header size: it depends on the dtype's width alone, except
+    for prod, so that replicas whose dtypes of one width or whose ops (prod
+    aside) differ still make collectives of one size, which the verdict
+    names, instead of the engine's failure."""
+    if how == "prod":
+        return own_size(dtype, how, world)
+    alike = [d for d in _tree.SUPPORTED_DTYPES if d.itemsize == dtype.itemsize]
+    return max(own_size(d, h, world) for d in alike for h in _OPS)
+
+
+_ZERO = bytes(BITS // 8)
+_OPS = ("sum", "max", "min")
+
+
+def _width(dtype: torch.dtype, how: str, world: int) -> int:
+    """The bits of the fingerprint per header value of a reduce (:func:`_values`)."""
+    exact = (  # the largest integer up to which dtype holds every integer
+        2 * round(1 / torch.finfo(dtype).eps)
+        if dtype.is_floating_point
+        else 1
+        if dtype == torch.bool
+        else torch.iinfo(dtype).max
+    )
+    if how in ("max", "min"):
+        return min(BITS, (exact + 1).bit_length() - 1)
+    k = 1
+    while k < BITS and world * ((1 << (k + 1)) - 1) ** 2 <= exact:
+        k += 1
+    return k
+
+
+def _values(fingerprint: bytes, dtype: torch.dtype, how: str, world: int) -> list[int]:
+    """The header's values for ``fingerprint`` (see the module's docstring)."""
+    if how == "":  # (a gather's, and a one-sided broadcast's) its bytes, as two int32 words
+        return list(struct.unpack("<2i", fingerprint[: BITS // 8]))
+    n = int.from_bytes(fingerprint[: BITS // 8], "little")
+    if how == "prod":
+        bits = [(n >> j) & 1 for j in range(BITS)]
+        return [*bits, *(1 - b for b in bits)]
+    k = _width(dtype, how, world)
+    chunks = [(n >> j) & ((1 << k) - 1) for j in range(0, BITS, k)]
+    if how == "sum":
+        return chunks if k == 1 else [*chunks, *(v * v for v in chunks)]
+    return [*chunks, *((1 << k) - 1 - v for v in chunks)]
+
+
+@dataclass(frozen=True)
+class Header:
+    """One call kind's header for one fingerprint, bucket dtype, op and W."""
+
+    #: What this replica sends, in the bucket's dtype (a part of its bucket),
+    #: on the transport's device.
+    part: torch.Tensor
+    #: The bytes of the collective's result where the header lies, in wire
+    #: form (eager engines: read before the call's other collectives start)
+    #: and as the bucket's dtype (lazy ones: read with the outputs), when every
+    #: replica's fingerprint is this one's.
+    wire: bytes
+    decoded: bytes
+
+
+_headers: _memo.Memo[Header] = _memo.Memo(locked=True)
+
+
+def _build(fingerprint: bytes, dtype: torch.dtype, op: Rules, how: str, world: int) -> Header:
+    """The :class:`Header` of collective ``op``, combined by ``how`` (the
+    all-reduce's op, "sum" for a broadcast that sums, "" for a move whose
+    bytes arrive as sent), as the module's docstring says (on the host)."""
+    values = _values(fingerprint, dtype, how, world)
+    values += [0] * (op.header_size(dtype, how, world) - len(values))  # (0 under every op)
+    part, wire, decoded = op.header_parts(values, dtype, how, world)
+    return Header(part, as_bytes(wire), as_bytes(decoded))
+
+
+def _on(transport: Transport, h: Header) -> Header:
+    """``h`` with its part on ``transport``'s device."""
+    if h.part.device == transport.device:
+        return h
+    return dataclasses.replace(h, part=transport.upload(h.part))
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of host tensor ``t``."""
+    # (numpy has no bfloat16; ``tobytes`` copies in C order, whatever the strides)
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()

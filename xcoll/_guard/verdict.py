@@ -1,0 +1,104 @@
+"""What a replica says when the guard's header disagrees (:func:`fire`: the
+same error on every replica, naming the first difference), and what the
+watchdog says when a call waits (:func:`diagnosis`, :func:`causes`)."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from .._backends.base import Transport
+from . import check as _check
+from .header import Signature
+
+
+def fire(
+    transport: Transport,
+    signature: Signature | None,
+    src: int | None = None,
+) -> NoReturn:
+    """Raises :class:`CollectiveMismatchError` for a call whose header says the
+    replicas' calls differ. Every replica gets the same verdict, so they all
+    exchange their descriptions, and the error names the first difference and
+    both ranks. ``src``: a one-sided verdict (a receiver of ``src``'s
+    broadcast), which exchanges nothing (``src`` has returned)."""
+    s = signature
+    rank = transport.rank_name(transport.rank())
+    if s is None:  # this replica runs in mode "never", others do not
+        raise _check.CollectiveMismatchError(
+            f"{rank}: the replicas' calls differ, or their XCOLL_CHECK modes do (this "
+            "replica's is \"never\"; every replica must use the same mode)"
+        )
+    if src is not None:
+        raise _check.CollectiveMismatchError(
+            f"{s.name}: this replica's call ({rank}: {_summary(s)}) differs from the call of "
+            f"src, {transport.rank_name(src)}; run with XCOLL_CHECK=always to name the difference"
+        )
+    try:
+        _check.verify(transport, s.name, s.head, s.description, tag=s.tag)
+    except RuntimeError as e:
+        if isinstance(e, _check.CollectiveMismatchError):
+            raise
+        # a replica that the engine stopped (gloo aborts a rank whose buffer
+        # is smaller than the one it receives) cannot take part
+        raise _check.CollectiveMismatchError(
+            f"{s.name}: the replicas' calls differ (the guard's fingerprints disagree on "
+            f"{rank}: {_summary(s)}); naming the difference failed: {e}"
+        ) from e
+    raise _check.CollectiveMismatchError(
+        f"{s.name}: the guard's fingerprints disagree on {rank}, but the replicas' "
+        "descriptions agree: their XCOLL_CHECK modes differ, a call overlapped another on "
+        "this process group, or a header changed in transit"
+    )
+
+
+def _summary(s: Signature) -> str:
+    """The call in a line: its tag, parameters and its description's first
+    three lines ("..." where there are more)."""
+    lines = s.description.lines  # (each leaf's, then the structure's)
+    n = len(lines) - 1
+    leaves = (
+        f"{n} {'leaf' if n == 1 else 'leaves'}: "
+        + "; ".join(lines[:3])
+        + ("; ..." if len(lines) > 3 else "")
+        if n > 0
+        else "no leaves"
+    )
+    return f"tag: {s.tag or '(none)'}; parameters: {s.head or '(none)'}; {leaves}"
+
+
+def diagnosis(rank: str, signature: Signature, seconds: float, lazy: bool = False) -> str:
+    """What the watchdog prints when a call has waited ``seconds`` for the
+    other replicas (``rank``: named on the replica's thread; on XLA the rank
+    is per thread; ``lazy``: on XLA, whose own causes it names too)."""
+    return (
+        f"xcoll: {signature.name} on {rank} has waited {seconds:.0f} s for the other replicas. "
+        f"This replica's call: {_summary(signature)}; description "
+        f"{signature.description.digest.hex()[:16]}. {causes(lazy)}"
+    )
+
+
+def causes(lazy: bool) -> str:
+    """What can make a replica wait in a collective, as far as xcoll can tell
+    from here: the causes on every engine, and on XLA (``lazy``) the
+    programs."""
+    found = [
+        "a replica has not reached this call (its code raised before it and went on, or it "
+        "is still in an earlier call; tag the calls, tag= or xcoll.step, to name a skipped one)",
+        "a replica made a different call whose buffers differ in size (XCOLL_CHECK=always "
+        "names it)",
+    ]
+    if lazy:
+        found.append(
+            "the replicas' programs differ: work pending before the call traced from a "
+            "per-replica Python value (a factor 0 or 1, as in x * rank, is a constant on that "
+            "replica alone), a data-dependent shape, pending tensors that only a reference "
+            "cycle keeps alive (a dropped metric object) on replicas whose garbage collector "
+            "has not run yet, or a torch_xla.sync() or .item() of "
+            "pending collectives outside xcoll.sync() (README, 'On XLA: one program on every "
+            "replica')"
+        )
+    listed = "; ".join(f"({k}) {c}" for k, c in enumerate(found, 1))
+    return (
+        f"Causes that fit this wait: {listed}. The engine then times out, or XLA aborts the "
+        "process."
+    )
