@@ -9,7 +9,7 @@ replicas moves the benchmark's tree of N leaves (``bench.trees``: mixed dtypes
 and shapes, different on every replica), twice, and checks the result. It
 prints the first call's time (its programs compiled: XLA:CPU compiles a
 computation of N parameters in time that grows faster than N, so a move's (or
-a reduce's bucket) of more than ``xla.CHUNKED_FROM`` leaves is packed in
+a reduce's bucket) of more than ``xla_kernels.CHUNKED_FROM`` leaves is packed in
 chunks whose program is compiled once; and a kernel per output, so device
 outputs are cut at offsets that are parameters, one kernel per shape), the
 second call's, and torch_xla's counts of compilations and executions in each

@@ -11,7 +11,7 @@ after it (the computation applied, the graph run, its outputs waited for).
 
 Why it is here: XLA:CPU compiles a kernel per output, and one that cuts at a
 constant offset is a kernel of its own (1024 outputs: 30 s to compile); this
-shows what ``xla.Split``, which takes the offsets as parameters (one kernel
+shows what ``xla_kernels.Split``, which takes the offsets as parameters (one kernel
 per shape), costs per output instead.
 """
 
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch_xla
     import torch_xla.debug.metrics as met
 
-    from xcoll._backends.xla import XlaKernels, sync
+    from xcoll._backends.xla_kernels import XlaKernels
+    from xcoll._backends.xla_step import sync
 
     device = torch_xla.device()
     print("| outputs | first call s | compile s | median ms per call |")

@@ -297,7 +297,7 @@ device tensors to pack, in 3 dtypes, and {n} host tensors to make.
 Device outputs cost more than host outputs at many leaves ({ms(w4, "gather", "xcoll.gather (device")}
 against {ms(w4, "gather", "xcoll.gather(to_cpu")} here): torch_xla makes one output buffer and
 one tensor per leaf, on every replica (XLA:CPU compiles one kernel per shape
-of them: `xla.Split`). The reduce and broadcast panels measure device
+of them: `xla_kernels.Split`). The reduce and broadcast panels measure device
 outputs, so they pay this too.
 """.strip()
 

@@ -47,11 +47,10 @@ def _sync() -> None:
     even with nothing pending, as the peer does (xcoll's skips that step)."""
     import torch_xla
 
-    from xcoll._backends import _xlac
-    from xcoll._backends import xla as _xla
+    from xcoll._backends import _xlac, xla_step
 
     device = torch_xla.device()
-    _xla.step(device)
+    xla_step.step(device)
     _xlac.wait_device(device)
     _xlac.run_step_closures()
 

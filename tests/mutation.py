@@ -6,7 +6,7 @@ below, each run against its own fast tests at CI's examples.
     CI=1 python -m tests.mutation xcoll/_encode/wire.py  # one module
     CI=1 python -m tests.mutation --survivors     # again, only what survived last time
     CI=1 python -m tests.mutation --resume        # only what was not run (an interrupted pass)
-    CI=1 python -m tests.mutation xcoll/_backends/xla.py --sample 100 --seed 25
+    CI=1 python -m tests.mutation xcoll/_backends/xla_kernels.py --sample 100 --seed 25
                                                   # a random sample of each module's mutants
 
 mutmut (configured in pyproject.toml, ``[tool.mutmut]``) copies the tree into
@@ -50,14 +50,14 @@ MODULES: dict[str, list[str]] = {
     "xcoll/_guard/entry.py": ["xcoll._guard.entry.*"],
     "xcoll/_guard/check.py": ["xcoll._guard.check.*"],
     "xcoll/_backends/base.py": ["xcoll._backends.base.x?Kernels?*"],
-    "xcoll/_backends/xla.py": [
-        "xcoll._backends.xla.x?XlaKernels?*",
+    "xcoll/_backends/xla_kernels.py": [
+        "xcoll._backends.xla_kernels.x?XlaKernels?*",
         *(
-            f"xcoll._backends.xla.x?{c}?*"
+            f"xcoll._backends.xla_kernels.x?{c}?*"
             for c in ("Bitcast", "EncodeReduce", "Join", "Unjoin", "DecodeReduce", "Split", "Keep")
         ),
         *(
-            f"xcoll._backends.xla.x_{f}__mutmut_*"
+            f"xcoll._backends.xla_kernels.x_{f}__mutmut_*"
             for f in (
                 "_join",
                 "_encode",
@@ -81,7 +81,7 @@ MODULES: dict[str, list[str]] = {
 #: module is imported (mutmut would credit whichever test imported it first).
 GUARD = ["xcoll._guard.header.*", "xcoll._guard.verdict.*", "xcoll._guard.entry.*"]
 OWNERS: dict[str, list[str]] = {
-    "tests/test_kernels.py": ["xcoll._backends.xla.*"],
+    "tests/test_kernels.py": ["xcoll._backends.xla_kernels.*"],
     "tests/test_guard.py": [*GUARD, "xcoll._guard.check.*"],
     # (header.own_size is cached: whichever test first asks for a size calls the rest)
     "tests/test_header.py": ["xcoll._guard.header.*"],

@@ -239,6 +239,17 @@ def test_bench_outputs_reports_a_compile_per_output_count():
         assert all(float(x) > 0 for x in r[1:]), r
 
 
+def test_bench_first_calls_checks_its_results():
+    # (the script asserts each result against the trees' expected values; a
+    # fresh pool per case: one case here)
+    pytest.importorskip("torch_xla")
+    args = ["--leaves", "5", "--ops", "broadcast", "--outputs", "device"]
+    result = _bench("bench.first_calls", *args)
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if re.match(r"\| [a-z]", line)]
+    assert [(r[0].strip(), r[1].strip(), int(r[2])) for r in rows[1:]] == [("broadcast", "device", 5)]
+    assert rows[1][6].strip().startswith("0,"), result.stdout  # (a later call compiles nothing)
+
+
 def test_bench_grad_counts_the_backwards_collectives():
     result = _bench("bench.grad", "--leaves", "1", "8", "--rounds", "2")
     rows = {

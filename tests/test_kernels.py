@@ -59,7 +59,7 @@ def _both(case):
     import torch_xla
 
     from xcoll._backends.base import TORCH
-    from xcoll._backends.xla import XlaKernels
+    from xcoll._backends.xla_kernels import XlaKernels
 
     parts, dtypes, world, seed, ops, means, guard = case
     dev = torch_xla.device()
@@ -333,7 +333,7 @@ def _bitcasts(cases):
     import torch_xla
 
     from xcoll._backends.base import TORCH
-    from xcoll._backends.xla import XlaKernels
+    from xcoll._backends.xla_kernels import XlaKernels
 
     out = []
     for t, carrier in cases:

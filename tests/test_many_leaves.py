@@ -59,19 +59,19 @@ def _chunks_of(size: int, above: int) -> Iterator[None]:
     """Within the block, chunks of ``size`` parts from ``above`` parts, on
     every replica: the replica threads share the module, so rank 0 sets the
     values and restores them, between barriers."""
-    from xcoll._backends import xla
+    from xcoll._backends import xla_kernels
 
-    saved = xla.CHUNK, xla.CHUNKED_FROM
+    saved = xla_kernels.CHUNK, xla_kernels.CHUNKED_FROM
     xcoll.barrier("chunks set")
     if xcoll.rank() == 0:
-        xla.CHUNK, xla.CHUNKED_FROM = size, above
+        xla_kernels.CHUNK, xla_kernels.CHUNKED_FROM = size, above
     xcoll.barrier("chunks in force")
     try:
         yield
     finally:
         xcoll.barrier("chunks done")
         if xcoll.rank() == 0:
-            xla.CHUNK, xla.CHUNKED_FROM = saved
+            xla_kernels.CHUNK, xla_kernels.CHUNKED_FROM = saved
 
 
 def _small_chunks(_):
@@ -129,20 +129,20 @@ def _first_call(args):
         torch.equal(out["floats"][f"f{i}"], torch.tensor(expected(i))) for i in range(1, n)
     ) and torch.equal(out["other"]["z"], torch.tensor([7.0, 8.0] if op == "gather" else 15.0))
     diff = lambda a, b: {k: b[k] - a[k] for k in ("executions", "compiles")}  # noqa: E731
-    from xcoll._backends import xla
+    from xcoll._backends import xla_kernels
 
     # (the call's own join, or encoding, took a chunk's buffer as a part)
-    own = xla.Join if op == "gather" else xla.EncodeReduce
-    keys = [k for k in list(xla._computations._values) if isinstance(k, own)]
+    own = xla_kernels.Join if op == "gather" else xla_kernels.EncodeReduce
+    keys = [k for k in list(xla_kernels._computations._values) if isinstance(k, own)]
     layouts = [k.joined.shapes if op == "gather" else k.shapes for k in keys]
-    chunked = any((2 * xla.CHUNK,) in shapes for layout in layouts for shapes in layout)
+    chunked = any((2 * xla_kernels.CHUNK,) in shapes for layout in layouts for shapes in layout)
     return exact, chunked, diff(before, first), diff(first, second)
 
 
 @pytest.mark.parametrize("op", ["gather", "reduce"])
 def test_a_first_call_of_thousands_of_leaves_compiles_a_few_programs(op):
     # 3,000 float32 leaves and a 0-d one (re-uploaded: pending): every full
-    # chunk of xla.CHUNK packed ahead, each by one program; the last chunk's
+    # chunk of xla_kernels.CHUNK packed ahead, each by one program; the last chunk's
     # leaves and the 0-d one stay parts of the call's own program (a pending
     # leaf stays in its chunk). At most three programs then (gather's and reduce's packs are
     # the same program), each compiled once (a replica may compile one that

@@ -34,6 +34,8 @@ LAYERS = {
     "xcoll._backends": [
         ["xcoll._backends.base", "xcoll._backends._xlac", "xcoll._backends._launch"],
         ["xcoll._backends.compile_lock"],
+        ["xcoll._backends.xla_step"],
+        ["xcoll._backends.xla_kernels"],
         ["xcoll._backends.xla", "xcoll._backends.dist", "xcoll._backends.hosted"],
         ["xcoll._backends"],
     ],
@@ -54,6 +56,8 @@ LAYERS = {
         ["xcoll._core.ops.gather", "xcoll._core.ops.reduce", "xcoll._core.ops.broadcast"],
         ["xcoll._core.ops"],
         ["xcoll._core.call"],
+        ["xcoll._core.uneven.rows"],
+        ["xcoll._core.uneven.exact", "xcoll._core.uneven.padded"],
         ["xcoll._core.uneven"],
         ["xcoll._core.grad"],
     ],

@@ -7,6 +7,7 @@ install."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -65,6 +66,9 @@ def test_a_project_outside_the_checkout_finds_the_development_installs_types(
     find implementation or library stub", every call Any)."""
     cache = tmp_path_factory.getbasetemp() / "mypy-cache"
     (tmp_path / "user.py").write_text(_USER)
+    # (the checkout's mypy settings, copied: with the same options mypy reuses
+    # the other tests' cache of torch, which it would otherwise check again)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
     done = _mypy("user.py", cache=cache, cwd=tmp_path, env=env)
     assert done.returncode == 0 and 'Revealed type is "torch._tensor.Tensor"' in done.stdout, (
