@@ -46,11 +46,15 @@ def _run(args: tuple[str, str, int]) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20  # KiB -> GiB
 
 
-def measure(mib: int, world: int, log=print) -> list[dict]:
-    """One row per op: the peak rise of each method, in GiB, and their ratio."""
+OPS = ("gather", "reduce", "broadcast")
+
+
+def measure(mib: int, world: int, ops: tuple[str, ...] = OPS, log=print) -> list[dict]:
+    """One row per op of ``ops``: the peak rise of each method, in GiB, and
+    their ratio."""
     n = mib * 2**20 // 4
     rows = []
-    for op in ("gather", "reduce", "broadcast"):
+    for op in ops:
         row = {"op": op, "mib": mib, "world": world}
         for method in ("xcoll", DIRECT):
             with GlooPool(world, timeout=1800) as pool:

@@ -10,11 +10,11 @@ call on rank 0, after warm-up; a small call's methods in turn, call by call) and
 executions and compilations, collective ops traced, and device-to-host
 transfers (torch_xla's metrics), or process-group collectives (the torch
 profiler's ``gloo:`` events); then the peak memory of one call on a leaf of 1
-GiB (:mod:`bench.memory`; 64 MiB with ``--quick``). It writes ``results.json``, ``results.md`` (the
+GiB (:mod:`bench.memory`; a gather of 64 MiB with ``--quick``). It writes ``results.json``, ``results.md`` (the
 tables, with each peer's time over xcoll's) and ``results.png`` (time per call
 against leaves, log-log) to ``--out``.
 
-``--quick`` (1 and 8 leaves, fewer repeats) checks that everything runs, in
+``--quick`` (1 and 8 leaves, fewer repeats, a gather's memory alone) checks that everything runs, in
 well under 2 minutes on a 2-core machine (about 70 s); its numbers are not the
 ones to quote, so it writes to a temporary directory unless ``--out`` is given.
 """
@@ -160,7 +160,7 @@ def _alternate(runner: Runner, pool, backend: str, op: str, n: int) -> dict[str,
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 and 8 leaves, fewer repeats")
+    p.add_argument("--quick", action="store_true", help="1 and 8 leaves, fewer repeats, a gather's memory alone")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--leaves", type=int, nargs="+")
     p.add_argument("--out", type=Path, help="default: bench/ (--quick: a temporary directory)")
@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
         cells += _cells(runner, pool, f"gloo W={w}", gloo.METHODS, _gloo_cell, log)
     from bench import memory
 
-    peaks = memory.measure(64 if a.quick else 1024, 2)
+    # (--quick: a gather's alone; each cell starts two fresh processes per method)
+    peaks = memory.measure(64, 2, ("gather",)) if a.quick else memory.measure(1024, 2)
     import torch
 
     results = {

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.helpers import ROOT
 
@@ -20,6 +21,15 @@ import xcoll
 xcoll.reduce(torch.ones(1), "avg")
 xcoll.reduce({"loss": torch.ones(1)}, "mean")
 """
+
+
+def _cache(tmp_path_factory) -> Path:
+    """mypy's cache: the environment's, where ``.ci/run`` keeps its own (with
+    the checkout's settings, its mypy then finds torch checked already), else
+    this session's."""
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        return Path(sys.prefix) / ".mypy_cache"
+    return tmp_path_factory.getbasetemp() / "mypy-cache"
 
 
 def _mypy(*args: str, cache, cwd=ROOT, env=None) -> subprocess.CompletedProcess[str]:
@@ -34,13 +44,13 @@ def _mypy(*args: str, cache, cwd=ROOT, env=None) -> subprocess.CompletedProcess[
 
 
 def test_typical_calls_have_the_types_the_typing_file_asserts(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "mypy-cache"
+    cache = _cache(tmp_path_factory)
     done = _mypy("tests/typing/public_types.py", cache=cache)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_a_misspelt_op_fails_the_type_check(tmp_path_factory, tmp_path):
-    cache = tmp_path_factory.getbasetemp() / "mypy-cache"
+    cache = _cache(tmp_path_factory)
     script = tmp_path / "misspelt.py"
     script.write_text(_MISSPELT)
     done = _mypy(str(script), cache=cache)
@@ -64,7 +74,7 @@ def test_a_project_outside_the_checkout_finds_the_development_installs_types(
     path that static checkers read: setuptools' default editable mode installs
     an import hook instead, which mypy and IDEs cannot follow (xcoll: "Cannot
     find implementation or library stub", every call Any)."""
-    cache = tmp_path_factory.getbasetemp() / "mypy-cache"
+    cache = _cache(tmp_path_factory)
     (tmp_path / "user.py").write_text(_USER)
     # (the checkout's mypy settings, copied: with the same options mypy reuses
     # the other tests' cache of torch, which it would otherwise check again)
