@@ -406,6 +406,18 @@ class Split(_Computation):
         index = [torch.tensor([a], dtype=torch.int32 if a < 2**31 else torch.int64) for a in starts]
         return _xlac.upload(index, device) if index else []
 
+    def apply(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The pieces of ``flats``: the computation and the offsets it takes
+        on the flats' device, found by one lookup (built on first use)."""
+        device = str(flats[0].device)
+        computation, offsets = _splits.get((self, device), self.built, flats)
+        return _xlac.user_computation(f"xla::{self.NAME}", [*flats, *offsets], computation)
+
+    def built(self, flats: Sequence[torch.Tensor]) -> tuple[object, list[torch.Tensor]]:
+        offsets = self.offsets(flats[0].device)
+        inputs = [*flats, *offsets]
+        return _computations.get(self, self.build, inputs), offsets
+
     def body(self, *params):
         offsets = iter(params[len(self.dtypes) :])
         pieces = []
@@ -439,8 +451,9 @@ class Keep(_Computation):
         return xb.Op.concat_in_dim([wire.slice_in_dim(0, guard, 0), rest], 0)
 
 
-# (Split, device) -> its pieces' offsets on the device (uploaded once).
-_offsets: _memo.Memo[list[torch.Tensor]] = _memo.Memo(locked=True)
+# (Split, device) -> its computation, and its pieces' offsets on the device
+# (uploaded once).
+_splits: _memo.Memo[tuple[object, list[torch.Tensor]]] = _memo.Memo(locked=True)
 
 # (device, dtype, W) -> W as a (1,) device tensor (uploaded once; a 1-d upload
 # is never shared with another value).
@@ -520,7 +533,6 @@ class XlaKernels(Kernels):
             return [[] for _ in shapes]
         casts = tuple(map(tuple, casts)) if casts else tuple((None,) * len(s) for s in shapes)
         split = Split(tuple(f.dtype for f in flats), tuple(tuple(s) for s in shapes), casts)
-        device = flats[0].device
-        pieces = split([*flats, *_offsets.get((split, str(device)), split.offsets, device)])
+        pieces = split.apply(flats)
         ends = list(itertools.accumulate(len(b) for b in shapes))
         return [pieces[a:z] for a, z in zip([0, *ends], ends, strict=False)]
