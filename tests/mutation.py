@@ -54,7 +54,9 @@ MODULES: dict[str, list[str]] = {
         "xcoll._backends.xla_kernels.x?XlaKernels?*",
         *(
             f"xcoll._backends.xla_kernels.x?{c}?*"
-            for c in ("Bitcast", "EncodeReduce", "Join", "Unjoin", "DecodeReduce", "Split", "Keep")
+            for c in (
+                "Bitcast", "EncodeReduce", "Join", "Unjoin", "DecodeReduce", "Split", "Parts", "Keep"
+            )
         ),
         *(
             f"xcoll._backends.xla_kernels.x_{f}__mutmut_*"

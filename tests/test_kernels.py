@@ -107,6 +107,13 @@ def _both(case):
             for wire in (False, True):
                 segs = kernels.unjoin(words, joined, world, wire)
                 got[f"unjoin wire={wire}"] = [_as_int(kernels, t) for t in segs]
+        # each dtype's (W, 3, W) random bits (NaN payloads included) cut into
+        # the replicas' parts along dims 0 and 2 (a reduce-scatter's, an all-to-all's)
+        cuts = [_random_bits(d, (world, 3, world), seed + 11 * k) for k, d in enumerate(dtypes)]
+        cuts = [t.to(dev) for t in cuts] if name == "xla" else cuts
+        got["parts"] = [
+            [_as_int(kernels, x) for x in kernels.parts(t, d, world)] for t in cuts for d in (0, 2)
+        ]
         encoded = kernels.encode_reduce(inputs, shapes, dtypes, ops)
         got["encode_reduce"] = [_as_int(kernels, t) for t in encoded]
         # decoded from random wires: any bits an all-reduce could return

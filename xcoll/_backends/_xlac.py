@@ -103,6 +103,27 @@ def all_reduce(buf: torch.Tensor, reduce_type: str) -> torch.Tensor:
     return _binding("_xla_all_reduce")(reduce_type, buf, 1.0, [], False)
 
 
+def reduce_scatter(buf: torch.Tensor, reduce_type: str, world_size: int, device: str) -> torch.Tensor:
+    """One reduce-scatter of the 1-d ``buf`` over every replica: replica
+    ``r`` gets the reduction of every replica's ``r``-th of ``world_size``
+    parts. Replaces ``xm.reduce_scatter(reduce_type, buf, 1.0, 0,
+    world_size, pin_layout=False)``; the caller resets ``device``'s
+    collective token first (the fresh one it takes then is an input of
+    this collective alone, and the one it returns is dropped)."""
+    token = _binding("_get_all_reduce_token")(device)
+    f = _binding("_xla_reduce_scatter")
+    return f(reduce_type, buf, token, 1.0, 0, world_size, [], False, None, None)[0]
+
+
+def all_to_all(buf: torch.Tensor, world_size: int, device: str) -> torch.Tensor:
+    """One all-to-all of the 1-d ``buf`` over every replica: replica ``r``
+    gets every replica's ``r``-th of ``world_size`` parts, in rank order.
+    Replaces ``xm.all_to_all(buf, 0, 0, world_size, pin_layout=False)``, as
+    :func:`reduce_scatter` does."""
+    token = _binding("_get_all_reduce_token")(device)
+    return _binding("_xla_all_to_all")(buf, token, 0, 0, world_size, [], False)[0]
+
+
 def upload(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """``tensors`` (CPU) copied to ``device``, in one call. Replaces a
     ``.to(device)`` per tensor."""

@@ -46,6 +46,11 @@ class Kernels:
         """Reinterprets the bits of ``t`` as ``dtype`` (same element size)."""
         return t.view(dtype)
 
+    def parts(self, t: torch.Tensor, dim: int, world: int) -> list[torch.Tensor]:
+        """``t`` cut into ``world`` equal parts along ``dim``, bit for bit
+        (views here)."""
+        return list(t.tensor_split(world, dim))
+
     def pack(
         self,
         parts: Sequence[Sequence[torch.Tensor]],
@@ -234,6 +239,16 @@ class Transport(ABC):
         """Elementwise ``op`` ("sum", "prod", "max", "min") over all replicas."""
 
     @abstractmethod
+    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        """``(W * n,)`` -> ``(n,)``: on replica ``r``, elementwise ``op``
+        over every replica's ``r``-th ``n`` elements."""
+
+    @abstractmethod
+    def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
+        """``(W * n,)`` -> ``(W * n,)``: on replica ``r``, every replica's
+        ``r``-th ``n`` elements, in rank order."""
+
+    @abstractmethod
     def broadcast(self, buf: torch.Tensor, src: int, guard: int = 0) -> torch.Tensor:
         """Replica ``src``'s integer buffer, bit for bit, on every replica;
         except its first ``guard`` elements: their sum over every replica if
@@ -307,6 +322,12 @@ class LocalTransport(Transport):
         return buf.clone()
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        return buf.clone()
+
+    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        return buf.clone()
+
+    def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.clone()
 
     def broadcast(self, buf: torch.Tensor, src: int, guard: int = 0) -> torch.Tensor:

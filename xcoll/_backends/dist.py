@@ -2,7 +2,8 @@
 asynchronously and waited for once per call.
 
 Each collective is the process group's own method (``pg.allreduce``,
-``pg._allgather_base``, ``pg.broadcast``), as ``dist.all_reduce`` and its
+``pg._allgather_base``, ``pg.broadcast``, ``pg._reduce_scatter_base``,
+``pg.alltoall_base``), as ``dist.all_reduce`` and its
 peers call it after their checks: those checks hold for every xcoll buffer
 (one dense, non-complex tensor, on a group of which this process is a
 member), and their wrappers (logging, torch-function dispatch, checks) made
@@ -52,6 +53,8 @@ def _options(cls: Any, **fields: Any) -> Any:
 # (made once: the process group reads them and keeps nothing)
 _REDUCE = {name: _options(_c10d.AllreduceOptions, reduceOp=op) for name, op in _OPS.items()}
 _GATHER = _options(_c10d.AllgatherOptions)
+_SCATTER = {name: _options(_c10d.ReduceScatterOptions, reduceOp=op) for name, op in _OPS.items()}
+_ALL_TO_ALL = _options(_c10d.AllToAllOptions)
 
 
 @functools.cache
@@ -157,6 +160,23 @@ class DistTransport(Transport):
             return buf
         self._start(self._group().allreduce, [buf], _REDUCE[op])
         return buf
+
+    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        if buf.dtype in _WIDER:
+            wide = self.reduce_scatter(buf.to(_WIDER[buf.dtype]), op)
+            out = buf.new_empty(wide.shape)
+            self._after.append(lambda: out.copy_(wide))  # (wraps as the narrow dtype does)
+            return out
+        out = buf.new_empty(buf.shape[0] // self.world)
+        self._start(self._group()._reduce_scatter_base, out, buf, _SCATTER[op])
+        return out
+
+    def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
+        if buf.dtype in _WIDER:
+            return self.all_to_all(buf.view(torch.uint8)).view(buf.dtype)
+        out = torch.empty_like(buf)
+        self._start(self._group().alltoall_base, out, buf, [], [], _ALL_TO_ALL)
+        return out
 
     # A star from src: at W=4 on 2 cores gloo's broadcast takes 0.3 ms, its
     # all-reduce 5 ms, so the guard header arrives from src (one-sided).

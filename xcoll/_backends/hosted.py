@@ -13,7 +13,8 @@ difference on every replica.
 
 Each collective's result is made from the gathered rows on the host, as the
 engine would make it: a gather's rows in rank order; a reduce's rows folded
-in rank order by the engine's elementwise op (its buffers are in the encoded
+in rank order by the engine's elementwise op (an all-to-all and a
+reduce-scatter take the same of each row's part addressed to the replica) (its buffers are in the encoded
 form that makes that exact, :func:`xcoll._encode.wire.encode_reduce`); a
 broadcast's ``src`` row, its guard header summed over every row (as the
 engine's broadcast sums it).
@@ -51,8 +52,10 @@ class Hosted(Transport):
         self.broadcast_sums = engine.broadcast_sums
         self._leaves = list(leaves)
         #: Per collective: its buffer, its result (filled by wait), how it
-        #: combines ("gather", "broadcast" or a reduce's op), src, guard.
-        self._sent: list[tuple[torch.Tensor, torch.Tensor, str, int, int]] = []
+        #: combines ("gather", "broadcast" or a reduce's op), src, guard, and
+        #: whether each replica takes only its part of each row (an
+        #: all-to-all's, a reduce-scatter's).
+        self._sent: list[tuple[torch.Tensor, torch.Tensor, str, int, int, bool]] = []
 
     @property
     def group_key(self) -> Hashable:
@@ -80,11 +83,17 @@ class Hosted(Transport):
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
         return self._later(buf, torch.empty_like(buf), op)
 
+    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        return self._later(buf, buf.new_empty(buf.numel() // self.world), op, scatter=True)
+
+    def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
+        return self._later(buf, torch.empty_like(buf), "gather", scatter=True)
+
     def broadcast(self, buf: torch.Tensor, src: int, guard: int = 0) -> torch.Tensor:
         return self._later(buf, torch.empty_like(buf), "broadcast", src, guard)
 
-    def _later(self, buf, out, how: str, src: int = 0, guard: int = 0) -> torch.Tensor:
-        self._sent.append((buf, out, how, src, guard))
+    def _later(self, buf, out, how: str, src: int = 0, guard: int = 0, scatter: bool = False):
+        self._sent.append((buf, out, how, src, guard, scatter))
         return out
 
     def wait(self) -> None:
@@ -99,9 +108,11 @@ class Hosted(Transport):
         torch.cat(raw, out=padded[: sum(r.numel() for r in raw)])
         rows = self.exchange(padded.view(torch.int32)).view(torch.uint8)
         at = 0
-        for r, (buf, out, how, src, guard) in zip(raw, sent, strict=True):
+        for r, (buf, out, how, src, guard, scatter) in zip(raw, sent, strict=True):
             got = rows[:, at : at + r.numel()].contiguous().view(buf.dtype)
             at += r.numel()
+            if scatter:  # (each row's part addressed to this replica)
+                got = got.view(self.world, self.world, -1)[:, self.rank()]
             if how == "gather":
                 out.copy_(got.reshape(-1))
             elif how == "broadcast":

@@ -220,6 +220,18 @@ class XlaTransport(Transport):
         _xlac.reset_token(self.device)
         return _xlac.all_reduce(buf, _REDUCE_TYPES[op])
 
+    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        if self.world == 1:
+            return buf
+        _xlac.reset_token(self.device)
+        return _xlac.reduce_scatter(buf, _REDUCE_TYPES[op], self.world, str(self.device))
+
+    def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return buf
+        _xlac.reset_token(self.device)
+        return _xlac.all_to_all(buf, self.world, str(self.device))
+
     def wait(self) -> None:
         _xlac.reset_token(self.device)
 

@@ -431,6 +431,31 @@ class Split(_Computation):
 
 
 @dataclass(frozen=True)
+class Parts(_Computation):
+    """:meth:`Kernels.parts` of a tensor of ``shape`` and ``dtype``: its
+    ``world`` parts along ``dim``, cut in its integer wire form (a float
+    cut as itself may be converted to float32 and back by XLA:CPU, which
+    quiets a bfloat16 NaN's payload: seen in an all-to-all's wire)."""
+
+    NAME = "xcoll_parts"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dim: int
+    world: int
+
+    def body(self, *params):
+        t = params[0]
+        wire = _wire.BITS.get(self.dtype)
+        if wire is not None:
+            t = t.bitcast(_XLA_TYPES[wire])
+        n = self.shape[self.dim] // self.world
+        parts = [t.slice_in_dim(q * n, (q + 1) * n, self.dim) for q in range(self.world)]
+        if wire is not None:
+            parts = [p.bitcast(_XLA_TYPES[self.dtype]) for p in parts]
+        return xb.Op.tuple(parts)
+
+
+@dataclass(frozen=True)
 class Keep(_Computation):
     """A broadcast's wire on one replica: kept where the (1,) mask (the first
     parameter) is true, zeros elsewhere; its first ``guard`` elements (the
@@ -474,6 +499,9 @@ class XlaKernels(Kernels):
 
     def bitcast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return Bitcast(tuple(t.shape), t.dtype, dtype)([t])[0]
+
+    def parts(self, t, dim, world):
+        return Parts(tuple(t.shape), t.dtype, dim, world)([t])
 
     def encode_reduce(self, parts, shapes, dtypes, ops):
         # packed and encoded in one computation: one graph node per call
