@@ -99,6 +99,21 @@ def is_spec(x) -> bool:
     return isinstance(x, (TensorSpec, ScalarSpec))
 
 
+def scatterable(skeleton, world_size: int, dim: int):
+    """``skeleton`` with each tensor leaf's ``dim`` times ``world_size`` (a
+    0-d leaf made 1-d first): every leaf cuts into the replicas' equal parts
+    (a reduce-scatter's, an all-to-all's)."""
+
+    def widen(spec):
+        if not isinstance(spec, TensorSpec):
+            return spec
+        shape = list(spec.shape) or [1]
+        shape[dim] *= world_size
+        return TensorSpec(spec.dtype, tuple(shape), spec.transposed)
+
+    return optree.tree_map(widen, skeleton, is_leaf=is_spec, none_is_leaf=False)
+
+
 def _float_values(exact: bool):
     if exact:  # small halves: sums and products are exact in every float dtype for W <= 4
         finite = st.integers(-8, 8).map(lambda k: k / 2)

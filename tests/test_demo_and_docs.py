@@ -265,6 +265,29 @@ def test_bench_grad_counts_the_backwards_collectives():
     }, result.stdout
 
 
+def test_bench_scatter_counts_one_collective_per_call_against_one_per_leaf():
+    pytest.importorskip("torch_xla")
+    result = _bench("bench.scatter", "--leaves", "1", "8", "--rounds", "2")
+    tables = result.stdout.split("XLA:CPU, W=2")
+    assert len(tables) == 2, result.stdout
+    for engine, text in zip(("gloo", "xla"), tables, strict=True):
+        rows = {
+            line.split("|")[1].strip(): re.findall(r"\((\d+)\)", line)
+            for line in text.splitlines()
+            if line.startswith("| ") and "method" not in line
+        }
+        peers = ("xm.reduce_scatter", "xm.all_to_all") if engine == "xla" else (
+            "dist.reduce_scatter_tensor", "dist.all_to_all_single"
+        )
+        # per leaf count (1, 8): one collective per call, against one per leaf
+        assert rows == {
+            "xcoll.reduce_scatter": ["1", "1"],
+            f"{peers[0]} per leaf": ["1", "8"],
+            "xcoll.all_to_all": ["1", "1"],
+            f"{peers[1]} per leaf": ["1", "8"],
+        }, result.stdout
+
+
 def readme_pool_example() -> str:
     text = README.read_text().split("## Testing your own distributed code")[1]
     return text.split("```python\n", 1)[1].split("```", 1)[0]

@@ -118,8 +118,9 @@ def _reference(name, example, kwargs, world: int):
         for p in _params(t):
             p.requires_grad_()
     flats = [optree.tree_flatten(t, none_is_leaf=False)[0] for t in trees]
-    out = [_op(name, kwargs, [f[j] for f in flats], j, example) for j in range(len(flats[0]))]
-    total = sum(_loss(example, r, flats[0], out, "cpu") for r in range(world))
+    n = len(flats[0])
+    out = [[_op(name, kwargs, [f[j] for f in flats], j, example, r) for j in range(n)] for r in range(world)]
+    total = sum(_loss(example, r, flats[0], out[r], "cpu") for r in range(world))
     if isinstance(total, torch.Tensor):
         total.backward()
     # (a broadcast's input on a replica other than src: zeros, not None)
@@ -130,19 +131,28 @@ def _reference(name, example, kwargs, world: int):
     ]
 
 
-def _op(name, kwargs, xs, j, example):
+def _op(name, kwargs, xs, j, example, r: int):
+    """Replica ``r``'s output of leaf ``j``, from every replica's ``xs``."""
     if not isinstance(xs[0], torch.Tensor):
         return None
     if name == "broadcast":
         return xs[kwargs.get("src", 0)]
-    if name == "reduce":
+    if name in ("reduce", "reduce_scatter"):
         total = torch.stack(xs).sum(0)
-        return total / len(xs) if _ops(example)[j] == "mean" else total
+        total = total / len(xs) if _ops(example)[j] == "mean" else total
+        return _part(total, kwargs["dim"], len(xs), r) if name == "reduce_scatter" else total
+    if name == "all_to_all":
+        return torch.cat([_part(x, kwargs["dim"], len(xs), r) for x in xs], kwargs["dim"])
     if xs[0].dim() == 0:
         return torch.stack(xs)
     if kwargs.get("stack"):
         return torch.stack(xs, kwargs.get("dim", 0))
     return torch.cat(xs, kwargs.get("dim", 0))
+
+
+def _part(t: torch.Tensor, dim: int, world: int, r: int) -> torch.Tensor:
+    n = t.shape[dim] // world
+    return t.narrow(dim, r * n, n)
 
 
 def _ops(example) -> list[str]:
@@ -164,8 +174,8 @@ def _op_tree(example):
 
 
 @st.composite
-def _examples(draw, dtype, max_leaves=6):
-    skeleton = draw(S.skeletons(dtypes=[dtype, torch.int32], max_leaves=max_leaves))
+def _examples(draw, dtype, max_leaves=6, scalars=True):
+    skeleton = draw(S.skeletons(dtypes=[dtype, torch.int32], scalars=scalars, max_leaves=max_leaves))
     specs = optree.tree_leaves(skeleton, is_leaf=S.is_spec, none_is_leaf=False)
     alias = {}
     for j, spec in enumerate(specs):
@@ -229,6 +239,29 @@ def test_broadcast_gradients_are_the_single_process_ones(pool, data):
     example = data.draw(_examples(_dtype(pool)), "example")
     src = data.draw(st.integers(0, pool.world_size - 1), "src")
     _check(pool, "broadcast", example, {"src": src})
+
+
+@st.composite
+def _cut_examples(draw, dtype, world: int):
+    """An example without Python scalars whose leaves cut into ``world``
+    parts along the drawn dim; and that dim."""
+    skeleton, seed, alias = draw(_examples(dtype, scalars=False), "example")
+    dim = draw(st.sampled_from([0, -1]), "dim")
+    return (S.scatterable(skeleton, world, dim), seed, alias), dim
+
+
+@PROPERTY
+@given(data=st.data())
+def test_reduce_scatter_gradients_are_the_single_process_ones(pool, data):
+    example, dim = data.draw(_cut_examples(_dtype(pool), pool.world_size))
+    _check(pool, "reduce_scatter", example, {"op": _op_tree(example), "dim": dim})
+
+
+@PROPERTY
+@given(data=st.data())
+def test_all_to_all_gradients_are_the_single_process_ones(pool, data):
+    example, dim = data.draw(_cut_examples(_dtype(pool), pool.world_size))
+    _check(pool, "all_to_all", example, {"dim": dim})
 
 
 @pytest.fixture(scope="module", params=["xla-cpu-1", "xla-cpu-2", "xla-cpu-4"])
@@ -300,6 +333,9 @@ def _gradcheck(args):
         ("reduce", {"op": {"a": "mean", "b": "sum"}}),
         ("broadcast", {"src": 0}),
         ("broadcast", {"src": 1}),
+        ("reduce_scatter", {"dim": -1}),
+        ("reduce_scatter", {"op": {"a": "mean", "b": "sum"}, "dim": -1}),
+        ("all_to_all", {"dim": -1}),
     ],
 )
 def test_gradcheck(name, kwargs, live):
@@ -312,7 +348,7 @@ def test_gradcheck(name, kwargs, live):
 
 def _backward_ops(n: int):
     """A 64-leaf gather with sync=False, its loss and backward traced: the
-    all-gathers and all-reduces of the pending graph."""
+    all-gathers, reduce-scatters and all-reduces of the pending graph."""
     import torch_xla
 
     dev = device()
@@ -322,12 +358,15 @@ def _backward_ops(n: int):
     sum((o * o).sum() for o in out).backward()
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([t.grad for t in x])
     xcoll.sync()
-    return {op: len(re.findall(rf"\s{op}\(", hlo)) for op in ("all-gather", "all-reduce")}
+    ops = ("all-gather", "reduce-scatter", "all-reduce")
+    return {op: len(re.findall(rf"\s{op}\(", hlo)) for op in ops}
 
 
-def test_the_backward_of_a_64_leaf_gather_is_one_collective(xla4):
-    # the forward's all-gather and the backward's one all-reduce, in one graph
-    assert xla4.run(_backward_ops, [64] * 4) == [{"all-gather": 1, "all-reduce": 1}] * 4
+def test_the_backward_of_a_64_leaf_gather_is_one_reduce_scatter(xla4):
+    # the forward's all-gather and the backward's one reduce-scatter (not an
+    # all-reduce of W times the bytes), in one graph
+    expected = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 0}
+    assert xla4.run(_backward_ops, [64] * 4) == [expected] * 4
 
 
 def _step(_=None):
@@ -392,28 +431,34 @@ def test_a_backward_that_differs_raises_on_every_replica(world, sync):
 def _second_derivative(name):
     dev = device()
     rank = xcoll.rank()
-    x = (torch.arange(3.0, dtype=torch.float64) + rank).to(dev).requires_grad_()
+    x = (torch.arange(4.0, dtype=torch.float64) + rank).to(dev).requires_grad_()
     out = getattr(xcoll, name)(x, grad=True)
     (g,) = torch.autograd.grad((out**3).sum(), x, create_graph=True)
     (h,) = torch.autograd.grad(g.sum(), x)
     return h.tolist()
 
 
-@pytest.mark.parametrize("name", ["gather", "reduce", "broadcast"])
+@pytest.mark.parametrize("name", ["gather", "reduce", "broadcast", "reduce_scatter", "all_to_all"])
 def test_second_derivatives(name):
     """The backward is differentiable itself: d/dx of the total loss's
     gradient sum, against one process's."""
     w = 2
     got = shared_pool("gloo-2").run(_second_derivative, [name] * w)
-    xs = [(torch.arange(3.0, dtype=torch.float64) + r).requires_grad_() for r in range(w)]
-    out = {"gather": lambda: torch.cat(xs), "reduce": lambda: sum(xs), "broadcast": lambda: xs[0]}
-    total = w * (out[name]() ** 3).sum()  # every replica's loss is the same
+    xs = [(torch.arange(4.0, dtype=torch.float64) + r).requires_grad_() for r in range(w)]
+    out = {  # replica r's output
+        "gather": lambda r: torch.cat(xs),
+        "reduce": lambda r: sum(xs),
+        "broadcast": lambda r: xs[0],
+        "reduce_scatter": lambda r: sum(xs)[2 * r : 2 * r + 2],
+        "all_to_all": lambda r: torch.cat([x[2 * r : 2 * r + 2] for x in xs]),
+    }
+    total = sum((out[name](r) ** 3).sum() for r in range(w))
     grads = torch.autograd.grad(total, xs, create_graph=True, allow_unused=True)
     # each replica differentiates the sum of its own gradient: the sum of all of them
     total = sum(g.sum() for g in grads if g is not None)
     second = torch.autograd.grad(total, xs, allow_unused=True)
     for r in range(w):
-        expected = torch.zeros(3, dtype=torch.float64) if second[r] is None else second[r]
+        expected = torch.zeros(4, dtype=torch.float64) if second[r] is None else second[r]
         assert torch.allclose(torch.tensor(got[r], dtype=torch.float64), expected), (r, got, second)
 
 

@@ -51,6 +51,12 @@ def case(name: str, rank: int, last: bool, dev):
         return "gather", {_key: torch.ones(2, 4 if last else 3).to(dev)}, {}
     if name == "lone surrogate":
         return "gather", {"x": t, "y": _Odd() if last else t}, {}
+    if name == "scatter dim":
+        return "reduce_scatter", {"x": torch.ones(4, 12).to(dev)}, {"dim": 1 if last else 0}
+    if name == "all_to_all vs gather":
+        return "all_to_all" if last else "gather", {"x": torch.ones(4, 12).to(dev)}, {}
+    if name == "indivisible":
+        return "all_to_all", {"x": torch.ones(4, 11 if last else 12).to(dev)}, {"dim": 1}
     if name == "mixed devices":
         return "gather", {"x": t, "y": torch.ones(1, device="meta") if last else t}, {}
     raise AssertionError(name)
@@ -69,6 +75,9 @@ EXPECTED = {
     "empty on one replica": (MISMATCH, MISMATCH, "shape (0, 3)"),
     "non-tensor leaf": ("builtins.TypeError", MISMATCH, "tree['y']"),
     "mixed devices": ("builtins.TypeError", MISMATCH, "tree['y']"),
+    "scatter dim": (MISMATCH, MISMATCH, "dim="),
+    "all_to_all vs gather": (MISMATCH, MISMATCH, "xcoll.all_to_all"),
+    "indivisible": ("builtins.ValueError", MISMATCH, "tree['x']"),
     "lone surrogate": ("builtins.TypeError", MISMATCH, "type Odd\ud800"),
     "object key": (MISMATCH, MISMATCH, "has tree[<function _key>]: float32 tensor of shape (2, "),
 }

@@ -1,4 +1,5 @@
-"""Property tests of gather / reduce / broadcast on real replicas.
+"""Property tests of gather / reduce / broadcast / reduce_scatter / all_to_all
+on real replicas.
 
 Each example is drawn here, run on every replica of the pool at once, and its
 results are checked here against what the per-rank inputs say they must be.
@@ -53,13 +54,14 @@ def _call(args):
     return report
 
 
-def _run(pool, name, trees, kwargs, extra=None):
+def _run(pool, name, trees, kwargs, extra=None, same=True):
     reports = pool.run(_call, [(name, t, kwargs, extra) for t in trees])
     for r, (rep, tree) in enumerate(zip(reports, trees, strict=True)):
         assert rep["rank"] == r and rep["world"] == pool.world_size
         assert_trees(rep["inputs_after"], tree, same_bits, "input mutated")
         assert_trees(rep["inputs_after_writes"], tree, same_bits, "output aliases input")
-        assert_trees(rep["out"], reports[0]["out"], same_bits, f"rank {r} differs from rank 0")
+        if same:  # (every replica's result is the same)
+            assert_trees(rep["out"], reports[0]["out"], same_bits, f"rank {r} differs from rank 0")
     return reports
 
 
@@ -219,11 +221,13 @@ def _scalar_kinds(op):
 
 
 @st.composite
-def _reduce_case(draw, world_size):
+def _reduce_case(draw, world_size, dim=None):
+    """An op and the replicas' trees; with ``dim``, a reduce-scatter's: no
+    Python scalars, each tensor leaf cut along ``dim`` into the replicas' parts."""
     op = draw(st.sampled_from(["sum", "mean", "prod", "max", "min"]), "op")
-    leaf = S._tensor_specs(_OP_DTYPES[op]) | st.builds(
-        S.ScalarSpec, st.sampled_from(_scalar_kinds(op))
-    )
+    leaf = S._tensor_specs(_OP_DTYPES[op])
+    if dim is None:
+        leaf = leaf | st.builds(S.ScalarSpec, st.sampled_from(_scalar_kinds(op)))
     skeleton = draw(
         st.recursive(
             leaf,
@@ -235,6 +239,8 @@ def _reduce_case(draw, world_size):
         ),
         "skeleton",
     )
+    if dim is not None:
+        skeleton = S.scatterable(skeleton, world_size, dim)
     # (max and min are exact for any values: every bit pattern and integer)
     exact = op in ("sum", "mean", "prod")
     return op, draw(S.rank_trees(skeleton, world_size, exact=exact), "trees")
@@ -260,6 +266,49 @@ def test_reduce(pool, case):
             none_is_leaf=False,
         )
         assert_trees(out, summed, same_values, "sum vs gather")
+
+
+# ---- reduce_scatter, all_to_all ----------------------------------------------------
+
+
+def _part(t: torch.Tensor, dim: int, world: int, r: int) -> torch.Tensor:
+    """Part ``r`` of ``world`` of ``t``, cut along ``dim``."""
+    n = t.shape[dim] // world
+    return t.narrow(dim, r * n, n)
+
+
+@PROPERTY
+@given(case=st.data())
+def test_reduce_scatter(pool, case):
+    w = pool.world_size
+    dim = case.draw(st.sampled_from([0, -1]), "dim")
+    op, trees = case.draw(_reduce_case(w, dim))
+    kwargs = {"op": op, "dim": dim, "to_cpu": case.draw(st.booleans(), "to_cpu")}
+    reports = _run(pool, "reduce_scatter", trees, kwargs, same=False)
+    reduced = optree.tree_map(lambda *vs: _documented(op, vs), *trees, none_is_leaf=False)
+    for r, rep in enumerate(reports):
+        expected = optree.tree_map(lambda t, r=r: _part(t, dim, w, r), reduced, none_is_leaf=False)
+        assert_trees(rep["out"], expected, same_bits, f"reduce_scatter {op} on rank {r}")
+        assert set(rep["devices"]) <= {_expected_devices(pool, kwargs)}
+
+
+@PROPERTY
+@given(data=st.data())
+def test_all_to_all(pool, data):
+    w = pool.world_size
+    dim = data.draw(st.sampled_from([0, -1]), "dim")
+    skeleton = S.scatterable(data.draw(S.skeletons(scalars=False), "skeleton"), w, dim)
+    trees = data.draw(S.rank_trees(skeleton, w), "trees")
+    kwargs = {"dim": dim, "to_cpu": data.draw(st.booleans(), "to_cpu")}
+    reports = _run(pool, "all_to_all", trees, kwargs, same=False)
+    for r, rep in enumerate(reports):
+        expected = optree.tree_map(
+            lambda *vs, r=r: torch.cat([_part(v, dim, w, r) for v in vs], dim),
+            *trees,
+            none_is_leaf=False,
+        )
+        assert_trees(rep["out"], expected, same_bits, f"all_to_all on rank {r}")
+        assert set(rep["devices"]) <= {_expected_devices(pool, kwargs)}
 
 
 def test_reduce_prefix_ops(pool):

@@ -12,7 +12,16 @@ broadcast (one per dtype and op for a reduce), one sync.
 
 from ._backends._launch import default_cpu_client as _default_cpu_client
 from ._collectives import ReduceOp as ReduceOp  # (for type annotations: reduce's op)
-from ._collectives import broadcast, gather, rank, reduce, sync, world_size
+from ._collectives import (
+    all_to_all,
+    broadcast,
+    gather,
+    rank,
+    reduce,
+    reduce_scatter,
+    sync,
+    world_size,
+)
 from ._encode.codec import decode as decode_object
 from ._encode.codec import encode as encode_object
 from ._guard.check import CollectiveMismatchError, consistency_checks
@@ -26,6 +35,8 @@ __all__ = [
     "gather",
     "reduce",
     "broadcast",
+    "reduce_scatter",
+    "all_to_all",
     "rank",
     "world_size",
     "sync",

@@ -1,4 +1,5 @@
-"""The public collectives: ``gather``, ``reduce``, ``broadcast``, and the
+"""The public collectives: ``gather``, ``reduce``, ``broadcast``,
+``reduce_scatter``, ``all_to_all``, and the
 replica's ``rank``, ``world_size`` and ``sync``.
 
 Each builds its op (:mod:`xcoll._core.ops`; an uneven gather's is
@@ -148,9 +149,10 @@ def gather(
         grad: make the outputs differentiable (docs/gradients.md): the total
             loss is the sum of every replica's loss, and a replica's input
             gradient is the sum over replicas of its own rows of their output
-            gradients. The backward is one guarded all-reduce of the output
-            gradients (one per dtype); every replica must run it, as it runs
-            the call (with ``uneven``, on its own, after the pending work).
+            gradients. The backward is one guarded reduce-scatter of the
+            output gradients (one per dtype; with ``uneven``, an all-reduce,
+            on its own, after the pending work); every replica must run it,
+            as it runs the call.
             Not with ``to_cpu``.
 
     Returns:
@@ -291,6 +293,139 @@ def reduce(
         )
     # (a tree of the input's structure and leaf types)
     out: T = _grad.call(_ops.Reduce(op, grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    return out
+
+
+def reduce_scatter(
+    tree: T,
+    op: OpTree = "sum",
+    *,
+    dim: int = 0,
+    sync: bool = True,
+    to_cpu: bool = False,
+    group: Any = None,
+    tag: str | int | None = None,
+    grad: bool = False,
+) -> T:
+    """On replica ``r``, the elementwise reduction of every replica's part
+    ``r`` of each leaf.
+
+    Each tensor leaf of shape ``(*pre, W * n, *post)`` (``W * n`` at
+    ``dim``) is cut into ``W`` parts of ``n`` along ``dim``; replica ``r``
+    returns, of shape ``(*pre, n, *post)``, the reduction over replicas of
+    their slices ``r * n : (r + 1) * n``: ``reduce(tree, op)``'s result, cut
+    the same way, with the same exactness (:func:`reduce`). One collective
+    per dtype and op, as a reduce makes, each moving a W-th of its bytes.
+
+    The input is left unmodified; outputs are new tensors, which require grad
+    only with ``grad=True``.
+
+    Args:
+        tree: a pytree of tensors of at least one dim, as in :func:`gather`,
+            with the same shapes and dtypes on every replica; each leaf's
+            ``dim`` a multiple of ``W``.
+        op: as in :func:`reduce`.
+        dim: the dimension along which each leaf is cut into the replicas' parts.
+        sync: as in :func:`gather`.
+        to_cpu: as in :func:`reduce`.
+        group: as in :func:`gather`.
+        tag: as in :func:`gather`.
+        grad: make the outputs differentiable (docs/gradients.md): a sum's
+            input gradient is every replica's output gradient, gathered
+            along ``dim`` (a mean's, divided by ``W``); other ops of floating
+            leaves are refused. Not with ``to_cpu``.
+
+    Returns:
+        A tree of ``tree``'s structure whose leaves are this replica's
+        reduced parts (new tensors on the leaves' device, or on the CPU with
+        ``to_cpu``).
+
+    Raises:
+        TypeError: as in :func:`reduce`; a Python scalar leaf (it has no dim to
+            cut), naming its path.
+        ValueError: as in :func:`reduce`; a 0-d leaf, ``dim`` out of range,
+            or a leaf whose ``dim`` is not a multiple of ``W``, naming its
+            path, before any communication.
+        xcoll.CollectiveMismatchError: as in :func:`gather` (``dim`` and ops
+            included).
+        xcoll.ConcurrentCallError: as in :func:`gather`.
+        RuntimeError: as in :func:`gather`.
+
+    >>> import torch, xcoll
+    >>> xcoll.reduce_scatter({"grad": torch.tensor([1.0, 2.0])})  # a world of one
+    {'grad': tensor([1., 2.])}
+    """
+    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+        outside: T = _outside(reduce_scatter)(
+            tree, op, dim=dim, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
+        )
+        return outside
+    if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
+        _flags(sync=sync, to_cpu=to_cpu, grad=grad)
+    out: T = _grad.call(_ops.ReduceScatter(op, dim=dim, grad=grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
+    return out
+
+
+def all_to_all(
+    tree: T,
+    *,
+    dim: int = 0,
+    sync: bool = True,
+    to_cpu: bool = False,
+    group: Any = None,
+    tag: str | int | None = None,
+    grad: bool = False,
+) -> T:
+    """On replica ``r``, every replica's part ``r`` of each leaf, in rank order.
+
+    Each tensor leaf of shape ``(*pre, W * n, *post)`` (``W * n`` at
+    ``dim``) is cut into ``W`` parts of ``n`` along ``dim``, part ``s``
+    addressed to replica ``s``; replica ``r`` returns a tensor of the same
+    shape whose slice ``s * n : (s + 1) * n`` along ``dim`` is replica
+    ``s``'s part ``r``, bit for bit. One collective carries the whole tree.
+
+    The input is left unmodified; outputs are new tensors, which require grad
+    only with ``grad=True``.
+
+    Args:
+        tree: a pytree of tensors of at least one dim, as in :func:`gather`,
+            with the same shapes and dtypes on every replica; each leaf's
+            ``dim`` a multiple of ``W``.
+        dim: the dimension along which each leaf is cut and its parts
+            concatenated.
+        sync: as in :func:`gather`.
+        to_cpu: as in :func:`gather`.
+        group: as in :func:`gather`.
+        tag: as in :func:`gather`.
+        grad: make the outputs differentiable (docs/gradients.md): the
+            input gradient is the same all-to-all of the output gradients.
+            Not with ``to_cpu``.
+
+    Returns:
+        A tree of ``tree``'s structure and shapes: each leaf the parts
+        addressed to this replica (new tensors on the leaves' device, or on
+        the CPU with ``to_cpu``).
+
+    Raises:
+        TypeError: as in :func:`gather`; a Python scalar leaf, naming its path.
+        ValueError: as in :func:`reduce_scatter`.
+        xcoll.CollectiveMismatchError: as in :func:`gather`.
+        xcoll.ConcurrentCallError: as in :func:`gather`.
+        RuntimeError: as in :func:`gather`.
+
+    >>> import torch, xcoll
+    >>> xcoll.all_to_all({"tokens": torch.tensor([[1, 2], [3, 4]])}, dim=1)  # a world of one
+    {'tokens': tensor([[1, 2],
+            [3, 4]])}
+    """
+    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+        outside: T = _outside(all_to_all)(
+            tree, dim=dim, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
+        )
+        return outside
+    if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
+        _flags(sync=sync, to_cpu=to_cpu, grad=grad)
+    out: T = _grad.call(_ops.AllToAll(dim=dim, grad=grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
     return out
 
 

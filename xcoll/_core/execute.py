@@ -216,7 +216,9 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
     segments are cut from each row by offset)."""
     n, size = r.first  # (every element size divides SMALL)
     wire = wires[0]
-    if size:
+    if size and r.segments > 1:
+        wire = _padded(wire, r.segments, size)
+    elif size:
         wire = wire.new_zeros(size)
         wire[:n] = wires[0]
     results = [r.op.send(transport, wire, 0, r)]
@@ -233,6 +235,13 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
     if wires[1:] or not early:  # (eager engines start every collective asynchronously)
         transport.wait()
     return results
+
+
+def _padded(wire: torch.Tensor, segments: int, size: int) -> torch.Tensor:
+    """``wire``'s segments, each padded with zeros to ``size`` elements."""
+    out = wire.new_zeros(segments, size)
+    out[:, : wire.numel() // segments] = wire.view(segments, -1)
+    return out.view(-1)
 
 
 def _arrived(r: Recipe, transport: Transport, result: torch.Tensor) -> bytes:

@@ -7,29 +7,33 @@ is the derivative of the total loss, which needs every replica's output
 gradients:
 
 * gather: the sum over replicas of the gradient's slice that is this
-  replica's own rows (a reduce-scatter, made as an all-reduce of the whole
-  gradient and a take of the own slice: no engine here offers a
-  reduce-scatter of packed buffers);
+  replica's own rows: a reduce-scatter sum of the output gradients, each
+  with its replicas' axis moved first;
 * reduce: sum, the all-reduce sum of the output gradients; mean, their mean
   (the sum divided by W). Other ops raise (:class:`xcoll._core.ops.Reduce`);
 * broadcast: the sum of the output gradients on ``src``, zeros elsewhere;
-* an uneven gather: as a gather, its own rows found by the sizes that its
-  forward exchanged (its backward's collective runs on its own, after the
-  pending work, as the forward's does: the replicas' shapes differ).
+* an uneven gather: its own rows of the all-reduce sum of the output
+  gradients, found by the sizes that its forward exchanged (its backward's
+  collective runs on its own, after the pending work, as the forward's
+  does: the replicas' shapes differ);
+* reduce-scatter: sum, the gather of the output gradients along ``dim``;
+  mean, that divided by W;
+* all-to-all: the same all-to-all of the output gradients (its own inverse).
 
-So the backward is one :class:`Backward`, an all-reduce of the tree of output
-gradients (of the floating tensor leaves), packed and guarded as every call
-is: one collective per dtype, named as the forward's backward. Which leaves
-travel and how each input's gradient is taken from the reduced ones depends
-only on the forward's op and signature: a :class:`Rule`, made once per
-signature. The take reads this replica's rank from uploaded data (an index,
-a mask), so that on XLA every replica traces one program.
+So the backward is one xcoll call on the tree of output gradients (of the
+floating tensor leaves), packed and guarded as every call is, of the
+forward's op's :meth:`~xcoll._core.ops.Op.backward` (named as the forward's
+backward). Which leaves travel, how their gradients are sent and how each
+input's gradient is taken from the result depends only on the forward's op
+and signature: a :class:`Rule`, made once per signature. A take that reads
+this replica's rank reads it from uploaded data (a mask), so that on XLA
+every replica traces one program.
 
 On a lazy engine the backward runs with ``sync=False``: its collective joins
 the backward's graph, and its guard is read after the caller's sync
 (:class:`xcoll._core.execute.Verdict`). With ``create_graph=True`` the
-backward is itself differentiable (its :class:`Backward` runs with
-``grad=True``), so higher derivatives flow too.
+backward is itself differentiable (its op runs with ``grad=True``), so
+higher derivatives flow too.
 """
 
 from __future__ import annotations
@@ -50,23 +54,10 @@ from . import ops as _ops
 
 
 @dataclass(frozen=True)
-class Backward(_ops.Reduce):
-    """The backward of a differentiable call: the all-reduce of its output
-    gradients, with the op of each leaf's (sum; mean where a reduce took the
-    mean), named after the forward, whose ``tag`` it carries."""
-
-    of: str = ""
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return f"{self.of} backward"
-
-
-@dataclass(frozen=True)
 class Rule:
     """How a differentiable call's gradients flow back, for one op and
     signature: which leaves travel, and the op's own rule
-    (:meth:`xcoll._core.ops.Op.backward_ops`, :meth:`~xcoll._core.ops.Op.take`)."""
+    (:meth:`xcoll._core.ops.Op.backward`, :meth:`~xcoll._core.ops.Op.take`)."""
 
     #: The forward's op (of its fields, only those its rule's key holds).
     op: _ops.Op
@@ -78,9 +69,10 @@ class Rule:
     #: The forward's structure (the gradient tree's, with None for the
     #: leaves that do not travel).
     treespec: optree.PyTreeSpec
-    backward: Backward
-    #: What the op's take reads of each travelling leaf (:meth:`xcoll._core.ops.Op.backward_dims`).
-    dims: tuple[tuple[int, int], ...] = ()
+    #: The backward's collective, named after the forward (whose ``tag`` it carries).
+    backward: _ops.Op
+    #: What the op's sent and take read of each travelling leaf (:meth:`xcoll._core.ops.Op.backward_dims`).
+    dims: tuple[Any, ...] = ()
 
     @staticmethod
     def of(op: _ops.Op, flat: _tree.Flat) -> Rule:
@@ -91,7 +83,7 @@ class Rule:
             leaves=leaves,
             shapes=tuple(tuple(flat.leaves[i].shape) for i in leaves),
             treespec=flat.treespec,
-            backward=Backward(flat.unflatten(op.backward_ops(flat, leaves)), of=op.name),
+            backward=op.backward(flat, leaves),
             dims=op.backward_dims(flat, leaves),
         )
 
@@ -100,8 +92,8 @@ _rules: _memo.Memo[Rule] = _memo.Memo()
 
 
 class _Differentiable(torch.autograd.Function):
-    """One differentiable call: ``forward`` runs the op, ``backward`` its
-    :class:`Backward` and the rule's take."""
+    """One differentiable call: ``forward`` runs the op, ``backward`` the
+    rule's backward collective and take."""
 
     @staticmethod
     def forward(ctx, call, *tensors):
@@ -117,12 +109,14 @@ class _Differentiable(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         rule: Rule = ctx.rule
+        sent = iter(rule.op.sent([grads[i] for i in rule.leaves], rule.dims))
         travelling = set(rule.leaves)
         tree = optree.tree_unflatten(
-            rule.treespec, [g if i in travelling else None for i, g in enumerate(grads)]
+            rule.treespec, [next(sent) if i in travelling else None for i in range(len(grads))]
         )
-        # (differentiable itself under create_graph=True)
-        backward = dataclasses.replace(rule.backward, grad=torch.is_grad_enabled())
+        # (differentiable itself under create_graph=True; every Op is a frozen
+        # dataclass, which the abstract base cannot say to mypy)
+        backward = dataclasses.replace(rule.backward, grad=torch.is_grad_enabled())  # type: ignore[type-var]
         # An uneven gather's collective runs on its own, after the pending work
         # (whose shapes differ between replicas), as its forward's does.
         alone = rule.op.alone_backward

@@ -71,6 +71,7 @@ class Collective(_header.Rules, Protocol):
 
     src: int
     joins: bool
+    scatters: bool
 
     def one_sided(self, how: str) -> bool: ...
 
@@ -100,6 +101,10 @@ class Recipe:
     world: int
     #: The rows of each collective's result (W for a gather, else 1).
     rows: int
+    #: The segments of each collective's wire, each of a bucket's layout (W
+    #: where each replica is sent its own part: a reduce-scatter, an
+    #: all-to-all; else 1).
+    segments: int
     buckets: tuple[_pack.Bucket, ...]
     #: Each bucket's dtype.
     dtypes: tuple[torch.dtype, ...]
@@ -135,7 +140,8 @@ class Recipe:
     identity: bool = False
     #: Of an eager engine's guarded call (:attr:`Guard.when` "first"): the
     #: elements of its first collective's buffer, and of the size class it is
-    #: sent in (:data:`xcoll._encode.pack.SMALL` bytes; 0: larger, sent as it is).
+    #: sent in (:data:`xcoll._encode.pack.SMALL` bytes; 0: larger, sent as it
+    #: is), per segment.
     first: tuple[int, int] = (0, 0)
     #: A lazy engine's call whose buffers, header included, fit in
     #: :data:`xcoll._encode.pack.SMALL` bytes: with sync, packed and cut on
@@ -197,11 +203,13 @@ def build(
     apart = _apart(b, live, alone) if joined else ()
     layout = _joined(b, live, apart, g) if joined else None
     ops = tuple(plan.ops[k] for k in live) if plan.ops else ()
-    small = _nbytes(layout, [b[k] for k in live], ops, part_shapes) <= _pack.SMALL
+    segments = world if op.scatters else 1
+    small = _nbytes(layout, [b[k] for k in live], ops, part_shapes) * segments <= _pack.SMALL
     return Recipe(
         op=op,
         world=world,
         rows=op.rows(world),
+        segments=segments,
         buckets=tuple(b[k] for k in live),
         dtypes=tuple(b[k].dtype for k in live),
         ops=ops,

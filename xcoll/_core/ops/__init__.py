@@ -1,11 +1,11 @@
 """The collectives, one object each: :class:`Gather`, :class:`Reduce`,
-:class:`Broadcast` (and :class:`xcoll._core.uneven.UnevenGather`,
-:class:`xcoll._core.grad.Backward`). Each holds everything that differs
+:class:`Broadcast`, :class:`ReduceScatter`, :class:`AllToAll` (and
+:class:`xcoll._core.uneven.UnevenGather`). Each holds everything that differs
 between collectives: its parameters, how it is described, validated and
 planned (:class:`xcoll._core.recipe.Plan`); its guard header's dtype, size
 and value under the collective's arithmetic; how its wires are made, sent,
 cut and decoded; how a Python scalar comes back; and its backward rule
-(:meth:`Op.take`). The executor (:mod:`xcoll._core.execute`) and the guard
+(:meth:`Op.backward`, :meth:`Op.take`). The executor (:mod:`xcoll._core.execute`) and the guard
 (:mod:`xcoll._guard.header`) read these and never ask which collective it is.
 Adding a collective is one new op and its public function.
 
@@ -16,24 +16,30 @@ exact (:mod:`xcoll._encode.wire`).
 
 One module each: :mod:`~xcoll._core.ops.base` (what every op is),
 :mod:`~xcoll._core.ops.gather`, :mod:`~xcoll._core.ops.reduce`,
+:mod:`~xcoll._core.ops.parts`, :mod:`~xcoll._core.ops.gather` (with the
+reduce-scatter), :mod:`~xcoll._core.ops.all_to_all`,
 :mod:`~xcoll._core.ops.broadcast`; their names are gathered here.
 """
 
+from .all_to_all import AllToAll
 from .base import Move, Op, Packed, Tuning, tuned
 from .broadcast import Broadcast
-from .gather import Gather, gather_params
-from .reduce import OPS, Reduce, merged
+from .gather import Gather, ReduceScatter, gather_params
+from .reduce import OPS, Reduce, merged, summed
 
 __all__ = [
     "OPS",
+    "AllToAll",
     "Broadcast",
     "Gather",
     "Move",
     "Op",
     "Packed",
     "Reduce",
+    "ReduceScatter",
     "Tuning",
     "gather_params",
     "merged",
+    "summed",
     "tuned",
 ]

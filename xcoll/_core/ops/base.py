@@ -97,6 +97,8 @@ class Op(ABC):
     """A collective call: how it is described, validated, planned, run and
     differentiated."""
 
+    #: The call's name in messages and signatures (a field of each op, so
+    #: that a backward's op is named after its forward: "xcoll.gather backward").
     name: str
     #: Whether the call is differentiable (``grad=True``, :mod:`xcoll._core.grad`).
     grad: bool = False
@@ -149,32 +151,38 @@ class Op(ABC):
         gather's sizes; None for the others)."""
 
     # The backward rule (:mod:`xcoll._core.grad`): the output gradients of
-    # the floating tensor leaves ``leaves`` are all-reduced with
-    # :meth:`backward_ops`, and each input's gradient taken by :meth:`take`.
+    # the floating tensor leaves ``leaves`` (:meth:`sent`) go through the
+    # collective :meth:`backward`, and each input's gradient is taken from
+    # its result by :meth:`take`.
 
-    def backward_ops(self, flat: _tree.Flat, leaves: Sequence[int]) -> list[Any]:
-        """Per leaf, the op of its gradient's all-reduce (None: it does not travel)."""
-        ops: list[Any] = [None] * len(flat.leaves)
-        for i in leaves:
-            ops[i] = "sum"
-        return ops
+    @abstractmethod
+    def backward(self, flat: _tree.Flat, leaves: Sequence[int]) -> Op:
+        """The collective of the call's backward, on the tree of the
+        travelling leaves' output gradients (None elsewhere), named
+        ``f"{self.name} backward"``."""
 
-    def backward_dims(self, flat: _tree.Flat, leaves: Sequence[int]) -> tuple[tuple[int, int], ...]:
-        """Per travelling leaf, what :meth:`take` reads of it beyond its shape."""
+    def backward_dims(self, flat: _tree.Flat, leaves: Sequence[int]) -> tuple[Any, ...]:
+        """Per travelling leaf, what :meth:`sent` and :meth:`take` read of it
+        beyond its shape."""
         return ()
+
+    def sent(self, grads: list[torch.Tensor], dims: tuple[Any, ...]) -> list[torch.Tensor]:
+        """The travelling leaves' output gradients as :meth:`backward` takes them."""
+        return grads
 
     @abstractmethod
     def take(
         self,
         reduced: list[torch.Tensor],
-        dims: tuple[tuple[int, int], ...],
+        dims: tuple[Any, ...],
         shapes: tuple[tuple[int, ...], ...],
         transport: Transport,
         sizes: Any,
     ) -> list[torch.Tensor]:
-        """Each travelling leaf's input gradient, from its all-reduced output
-        gradient (``dims``: :meth:`backward_dims`; ``shapes``: the leaves';
-        ``sizes``: what :meth:`apply` returned for the backward)."""
+        """Each travelling leaf's input gradient, from its output gradient's
+        result of :meth:`backward` (``dims``: :meth:`backward_dims`;
+        ``shapes``: the leaves'; ``sizes``: what :meth:`apply` returned for
+        the backward)."""
 
 
 class Packed(Op):
@@ -186,6 +194,11 @@ class Packed(Op):
     #: the header first (a move), or in one collective each, the header at
     #: the front of bucket 0 (a reduce).
     joins: bool = True
+    #: Whether each leaf is cut along its dim into W parts, part ``r``
+    #: addressed to replica ``r``: the wire is W segments of the same layout,
+    #: one per replica (:mod:`xcoll._core.ops.scatter`), and no bucket
+    #: travels alone.
+    scatters: bool = False
 
     def how(self, plan: Plan, transport: Transport) -> str:
         """How the collective combines the guard header ("" where its bytes
@@ -270,7 +283,7 @@ class Packed(Op):
             guard = _recipe.guard(self, self.header_dtype(plan), how, w, transport.lazy)
         # (a large tensor travels alone on eager engines only: on XLA its
         # bytes are in the graph either way)
-        alone = 0 if transport.lazy else _TUNING.get().alone
+        alone = 0 if transport.lazy or self.scatters else _TUNING.get().alone
         # (a world of one whose outputs stay on a lazy engine's device runs its
         # one program: made of copies, it would trace one per leaf)
         identity = w == 1 and (to_cpu or not transport.lazy)

@@ -13,6 +13,7 @@ from ..._base import tree as _tree
 from ..._encode import wire as _wire
 from ..._guard import check as _check
 from .base import Move, laid_out, leaf_shape
+from .reduce import summed
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Broadcast(Move):
 
     src: int = 0
     grad: bool = False
-    name = "xcoll.broadcast"
+    name: str = "xcoll.broadcast"
 
     def head(self, sync, to_cpu):
         return f"src={self.src} {super().head(sync, to_cpu)}"
@@ -66,6 +67,9 @@ class Broadcast(Move):
         else:
             own = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
         return _wire.encode_move(own.reshape(-1), TORCH.bitcast)  # (a view: contiguous)
+
+    def backward(self, flat, leaves):
+        return summed(self, flat, leaves)
 
     def take(self, reduced, dims, shapes, transport, sizes):
         """The summed gradient on src, zeros elsewhere."""

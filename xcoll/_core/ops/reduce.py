@@ -5,7 +5,7 @@ dtype takes and which buckets merge (:func:`merged`)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -17,7 +17,7 @@ from ..._encode import pack as _pack
 from ..._encode import wire as _wire
 from ..._guard import check as _check
 from ..._guard import header as _header
-from .base import Packed, laid_out, leaf_shape, tuning
+from .base import Op, Packed, laid_out, leaf_shape, tuning
 
 OPS = ("sum", "mean", "max", "min", "prod")
 
@@ -52,7 +52,7 @@ class Reduce(Packed):
 
     op: Any = "sum"
     grad: bool = False
-    name = "xcoll.reduce"
+    name: str = "xcoll.reduce"
     joins = False
 
     def key(self, flat, world):
@@ -136,16 +136,27 @@ class Reduce(Packed):
             results, kernels = transport.sync_and_fetch(results), TORCH
         return kernels.decode_reduce(results, r.dtypes, r.ops, r.means, r.world), None
 
-    def backward_ops(self, flat, leaves):
-        """Each leaf's own op: sum, or mean (the others have no gradient)."""
+    def backward(self, flat, leaves):
+        """An all-reduce of the output gradients, each by its leaf's own op:
+        sum, or mean (the others have no gradient)."""
         ops = _tree.broadcast_prefix(self.op, flat, "op")
         out: list[Any] = [None] * len(flat.leaves)
         for i in leaves:
             out[i] = ops[i]
-        return out
+        return Reduce(flat.unflatten(out), name=f"{self.name} backward")
 
     def take(self, reduced, dims, shapes, transport, sizes):
         return reduced
+
+
+def summed(op: Op, flat: _tree.Flat, leaves: Sequence[int]) -> Reduce:
+    """The backward of ``op`` whose input gradients are a sum over replicas
+    (a broadcast's, an uneven gather's): an all-reduce sum of the output
+    gradients of ``leaves``."""
+    ops: list[Any] = [None] * len(flat.leaves)
+    for i in leaves:
+        ops[i] = "sum"
+    return Reduce(flat.unflatten(ops), name=f"{op.name} backward")
 
 
 def merged(flat: _tree.Flat, keys: list[tuple[torch.dtype, str]]) -> list[tuple[torch.dtype, str]]:

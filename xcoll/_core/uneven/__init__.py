@@ -52,7 +52,7 @@ class UnevenGather(_ops.Op):
     max_size: int | None = None
     stack: bool = False
     grad: bool = False
-    name = "xcoll.gather"
+    name: str = "xcoll.gather"
     alone_backward = True
 
     def head(self, sync, to_cpu):
@@ -111,6 +111,11 @@ class UnevenGather(_ops.Op):
         if not to_cpu:
             data = [transport.upload(t) for t in data]
         return _output(flat, idx, data, scalars), sizes
+
+    def backward(self, flat, leaves):
+        """An all-reduce sum of the output gradients (the replicas' shapes
+        differ: no engine cuts them into equal parts)."""
+        return _ops.summed(self, flat, leaves)
 
     def backward_dims(self, flat, leaves):
         """Per leaf, its growing dim and its column in the forward's sizes."""
