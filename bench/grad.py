@@ -8,7 +8,10 @@ gradients, and the loss ``sum((o * w).sum())`` is differentiated; each method's
 backward is timed in turn, round after round (the forward is not timed), and
 its collectives counted by the torch profiler. The methods:
 
-* ``xcoll.gather(grad=True)``: one all-reduce for the whole tree;
+* ``xcoll.gather(grad=True)``: one reduce-scatter for the whole tree (each
+  replica receives its own rows' sums; an all-reduce of the whole
+  ``(W*B, ...)`` gradient, of which each replica keeps its rows, moves twice
+  the bytes);
 * ``torch.distributed.nn.functional.all_gather`` per leaf (its backward, on
   gloo: an all-to-all per leaf, then a sum);
 * Lightning's ``_AllGather`` algorithm, reproduced (per leaf: an all-gather,
