@@ -91,6 +91,7 @@ QUICK_FILES = {
     "test_grad.py",
     "test_header.py",
     "test_import.py",
+    "test_in_flight.py",
     "test_kernels.py",
     "test_many_leaves.py",
     "test_mismatch.py",

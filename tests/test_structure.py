@@ -50,7 +50,7 @@ LAYERS = {
     ],
     "xcoll._core": [
         ["xcoll._core"],
-        ["xcoll._core.recipe"],
+        ["xcoll._core.recipe", "xcoll._core.pending"],
         ["xcoll._core.execute"],
         ["xcoll._core.ops.base"],
         ["xcoll._core.ops.parts"],

@@ -16,6 +16,7 @@ import torch
 from . import _backends
 from ._core import grad as _grad
 from ._core import ops as _ops
+from ._core import pending as _pending
 from ._core import uneven as _uneven
 from ._guard import verdict as _verdict
 from ._guard import watchdog as _watchdog
@@ -126,10 +127,14 @@ def gather(
             docs/design.md). With ``False`` nothing is executed (but for a call
             of more than 1024 leaves of one dtype, which packs those that are
             data first, in chunks, in programs without collectives:
-            docs/design.md): the collectives join the caller's pending graph (tensor leaves only; on eager
-            backends the call completes anyway), and the guard is read after
-            the caller's next sync (``xcoll.sync()``), which raises
+            docs/design.md): the collectives join the caller's pending graph
+            (tensor leaves only), and the guard is read after the caller's
+            next sync (``xcoll.sync()``), which raises
             :class:`xcoll.CollectiveMismatchError` where the calls differed.
+            On torch.distributed the call starts its collectives and returns
+            at once; it completes at this thread's ``xcoll.sync()`` or the
+            first use of an output, whichever comes first (its outputs
+            complete it as they are used: docs/design.md, "Calls in flight").
         to_cpu: return CPU tensors, fetched with one transfer per packed buffer.
         uneven: let tensor leaves differ in size along ``dim`` between
             replicas (other dims and dtypes must match; an empty shard is
@@ -543,19 +548,27 @@ def world_size(group: Any = None) -> int:
     return _backends.current(group).world
 
 
-def sync() -> None:
-    """Runs this replica's pending graph (after calls with ``sync=False``).
+def sync(group: Any = None) -> None:
+    """Completes this replica's pending calls (those made with ``sync=False``).
 
     On XLA this is ``torch_xla.sync()`` under xcoll's process-wide lock, which
     thread-per-device replicas (XLA:CPU, older TPUs) need to avoid compiling the
     same graph once per thread, followed by a wait for this replica's execution
-    and a read of the guards of the ``sync=False`` calls it ran; elsewhere it
-    does nothing. A wait of more than a few seconds (a replica that skipped a
-    call) prints xcoll's diagnosis to stderr.
+    and a read of the guards of the ``sync=False`` calls it ran. On
+    torch.distributed it completes this thread's calls in flight, in the
+    order they were made (of ``group`` only, if given): waits for their
+    collectives, reads their guards and makes their outputs. A wait of more
+    than a few seconds (a replica that skipped a call) prints xcoll's
+    diagnosis to stderr.
+
+    Args:
+        group: on torch.distributed, complete only the calls made on this
+            process group (default: every group's). Ignored on XLA, whose
+            sync runs the whole pending graph.
 
     Raises:
-        CollectiveMismatchError: a ``sync=False`` call that it ran differed
-            between replicas (on every replica).
+        CollectiveMismatchError: a ``sync=False`` call that it completed
+            differed between replicas (on every replica).
         RuntimeError: as in :func:`rank` (a launched process without a process
             group).
 
@@ -563,14 +576,16 @@ def sync() -> None:
     >>> xcoll.sync()  # a world of one: nothing is pending
     """
     if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        _outside(sync)()
+        _outside(sync)(group)
         return
-    transport = _backends.current()
+    transport = _backends.current(group)
+    if not transport.lazy:
+        _pending.sync(None if group is None else transport.group_key)
+        return
     if transport.world == 1:
         transport.sync()
         return
-    lazy = transport.lazy
-    with _watchdog.watch(lambda seconds: _waited(seconds, lazy)):
+    with _watchdog.watch(lambda seconds: _waited(seconds, True)):
         transport.sync()
 
 

@@ -19,24 +19,24 @@ from xcoll.testing import XlaPool, xla_counters
 
 def compiled_graphs(samples: int, replicas: int, batch: int) -> list[str]:
     """The programs the demo compiles, once each (the replicas' threads share
-    one compile cache), as seen with PT_XLA_DEBUG_LEVEL=2: a batch's program is
-    its forward pass and accumulation, so batches of one shape share it,
-    except the first; its gather and the final reduce are small calls, whose
-    collective is one program that every small call shares."""
+    one compile cache), as seen with PT_XLA_DEBUG_LEVEL=2. The loop's gathers
+    are made with ``sync=False``, so each sync in the loop runs one batch's
+    gather with the next batch's forward pass and accumulation (the first:
+    the first two batches' forward passes and the first's gather), and syncs
+    of one shape share a program; the sync after the loop runs the last
+    batch's gather alone; the final reduce is a small call, whose collective
+    is one program that every small call shares."""
     per_replica = -(-samples // replicas)  # DistributedSampler pads to a multiple
     batches, short = -(-per_replica // batch), per_replica % batch != 0
     graphs = ["the first call's consistency check", "the small calls' all-gather"]
     if batches == 1:
-        graphs.append("the only batch")
-    else:
-        # (the loop's zero accumulators are data of their own on XLA:CPU
-        # replica threads, where xcoll turns torch_xla's cache of scalar data
-        # off: the first batch's program is the next ones')
-        if batches - short:
-            graphs.append("the full batches")
-        if short:
-            graphs.append("the last, shorter batch")
-    return graphs
+        return graphs + ["the only batch and its gather"]
+    graphs.append("the first two batches")
+    if batches > 3 or (batches == 3 and not short):
+        graphs.append("a batch's gather with the next full batch")
+    if batches >= 3 and short:
+        graphs.append("a batch's gather with the last, shorter batch")
+    return graphs + ["the last batch's gather"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     compiles = after["compiles"] - before["compiles"]
     print(
         f"  graph executions per replica: {executions:g} "
-        f"({r0['batches']} batches, two per batch: its work, then its gather's collective; "
+        f"({r0['batches']} batches, one per batch: its gather with the next batch's work; "
         "one for the final reduce, one for the consistency check of each replica's first "
         "call); "
         f"compilations: {compiles} ({', '.join(graphs)})"
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         and r0["count"] == args.samples
         and abs(r0["accuracy"] - ref["accuracy"]) < 1e-9
         and abs(r0["loss"] - ref["loss"]) < 1e-4
-        and executions == 2 * r0["batches"] + 2
+        and executions == r0["batches"] + 2
         and compiles == len(graphs)
     )
     print("  OK" if ok else "  MISMATCH")

@@ -31,14 +31,17 @@ from typing import Any
 
 import torch
 
-from .._backends.base import TORCH, Transport
+from .._backends.base import TORCH, EngineError, Transport
 from .._backends.hosted import Hosted
+from .._base import memo as _memo
 from .._base import tree as _tree
 from .._encode import pack as _pack
 from .._encode import wire as _wire
+from .._guard import entry as _entry
 from .._guard import header as _header
 from .._guard import verdict as _verdict
 from .._guard import watchdog as _watchdog
+from . import pending as _pending
 from .recipe import Recipe
 
 
@@ -134,9 +137,8 @@ def _encoded_and_back(t: torch.Tensor, op: str) -> torch.Tensor:
 
 def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to_cpu: bool):
     """The output leaves (Python scalars as CPU tensors), and the verdict."""
-    out: list[Any] = [None] * len(flat.leaves)
     if not r.buckets and r.guard is None:
-        return _empties(r, flat, out, to_cpu), True
+        return _empties(r, flat, [None] * len(flat.leaves), to_cpu), True
     mine = None
     if r.guard is not None:
         assert signature is not None
@@ -144,11 +146,21 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     # (each stage's buffers are dropped once used: on XLA whatever is still
     # referenced at the sync becomes a graph output of its own)
     wires = _wires(r, flat, transport, mine)
-    results = _communicate(r, transport, wires, signature, mine)
+    if not sync and not transport.lazy:
+        return InFlight.started(r, flat, transport, signature, mine, wires), True
+    results, rest = _start(r, transport, wires)
     del wires
+    results = _complete(r, transport, results, rest, signature, mine)
     late = _arrived(r, transport, results[0]) if r.guard and r.guard.when == "last" else None
+    out = _outputs(r, flat, transport, signature, mine, results, sync, to_cpu)
+    return out, late is None or (mine is not None and late == mine.wire)
+
+
+def _outputs(r: Recipe, flat, transport: Transport, signature, mine, results, sync: bool, to_cpu: bool):
+    """The output leaves from the collectives' ``results`` (consumed)."""
+    out: list[Any] = [None] * len(flat.leaves)
     flats, header = r.op.decoded(r, transport, results, to_cpu)
-    del results
+    del results[:]
     # each live bucket's output pieces, and the header's piece (a reduce's:
     # bucket 0's first) if it is still to be read (lazy engines)
     kernels = TORCH if to_cpu else transport.kernels
@@ -176,7 +188,7 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
             continue
         for leaf, j in scalars:
             out[leaf] = block[..., j]
-    return out, late is None or (mine is not None and late == mine.wire)
+    return out
 
 
 def _exact_ints(flat, scalars, values: list[int], how: str, out: list[Any]) -> None:
@@ -207,13 +219,12 @@ def _wires(r: Recipe, flat, transport: Transport, mine) -> list[torch.Tensor]:
     return r.op.wires(r, transport, parts, head)
 
 
-def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> list[torch.Tensor]:
-    """Every collective's result, waited for. On an eager engine the first
-    one's header is checked before the others start (a call whose buckets
-    differ in number stops there), and a small first one is sent in the one
-    size class of :data:`~xcoll._encode.pack.SMALL` bytes (:attr:`Recipe.first`),
-    its padding cut from the result (a gather's rows stay padded: its
-    segments are cut from each row by offset)."""
+def _start(r: Recipe, transport: Transport, wires) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Starts the call's first collective, and the others unless the first
+    one's header is to be read before they start (:func:`_complete`);
+    returns the results started and the wires still to send. A small first
+    one is sent in the one size class of :data:`~xcoll._encode.pack.SMALL`
+    bytes (:attr:`Recipe.first`)."""
     n, size = r.first  # (every element size divides SMALL)
     wire = wires[0]
     if size and r.segments > 1:
@@ -222,17 +233,28 @@ def _communicate(r: Recipe, transport: Transport, wires, signature, mine) -> lis
         wire = wire.new_zeros(size)
         wire[:n] = wires[0]
     results = [r.op.send(transport, wire, 0, r)]
-    # (the verdict read as the first collective arrives: eager engines)
-    early = r.guard is not None and r.guard.when == "first"
-    if early:
-        transport.wait()
-        if size and r.rows == 1:
-            results[0] = results[0][:n]
-        if _arrived(r, transport, results[0]) != mine.wire:  # (as :func:`_check`)
-            _verdict.fire(transport, signature)
-    if wires[1:]:
-        results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
-    if wires[1:] or not early:  # (eager engines start every collective asynchronously)
+    if r.early:
+        return results, wires[1:]
+    # (eager engines start every collective asynchronously)
+    return results + [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)], []
+
+
+def _complete(r: Recipe, transport: Transport, results, rest, signature, mine) -> list[torch.Tensor]:
+    """Every collective's result, waited for. On an eager engine the first
+    one's header is checked before the others start (a call whose buckets
+    differ in number stops there); a small first one's padding is cut from
+    its result (a gather's rows stay padded: its segments are cut from each
+    row by offset)."""
+    transport.wait()
+    if not r.early:
+        return results
+    n, size = r.first
+    if size and r.rows == 1:  # (a small first one's padding)
+        results[0] = results[0][:n]
+    if _arrived(r, transport, results[0]) != mine.wire:  # (as :func:`_check`)
+        _verdict.fire(transport, signature)
+    if rest:
+        results += [r.op.send(transport, w, k, r) for k, w in enumerate(rest, 1)]
         transport.wait()
     return results
 
@@ -344,3 +366,89 @@ def _unread(name: str, rank: str, seconds: float) -> str:
         "their collectives never meet, and XLA aborts the process; call xcoll.sync() "
         "before reading the outputs (docs/launchers.md)."
     )
+
+
+class InFlight(_pending.Call):
+    """A ``sync=False`` call on an eager engine, its first collective (or
+    all of them, where no header is read early) started: completed, in
+    order, by :mod:`xcoll._core.pending`."""
+
+    def __init__(self, r: Recipe, flat, transport: Transport, signature, mine, results, rest):
+        super().__init__(transport.group_key, signature.name if signature else r.op.name)
+        self.r, self.flat, self.transport, self.signature, self.mine = r, flat, transport, signature, mine
+        self.results, self.rest = results, rest
+        self.likes: list[Any] = []
+
+    @classmethod
+    def started(cls, r: Recipe, flat, transport: Transport, signature, mine, wires) -> list[Any]:
+        """Starts the call; returns its output leaves, each a
+        :class:`~xcoll._core.pending.PendingTensor` (the caller may change
+        its inputs at once: a wire that is an input's own bytes is copied)."""
+        inputs = {_storage(flat.leaves[i]) for i in flat.tensors}
+        wires = [w.clone() if _storage(w) in inputs else w for w in wires]
+        results, rest = _start(r, transport, wires)
+        del wires
+        call = cls(r, flat, transport, signature, mine, results, rest)
+        _pending.started(call)
+        call.likes = _likes.get(id(r), _meta_outputs, r, flat, transport, results, rest)[1]
+        device = transport.device
+        return [
+            None if like is None else _pending.PendingTensor(call, i, like, device)
+            for i, like in enumerate(call.likes)
+        ]
+
+    def complete(self) -> list[Any]:
+        # (its group claimed, as a call's is: a thread that uses an output
+        # while another thread calls on the group is an error, not a race)
+        t = self.transport
+        claimed = _entry.claim(t, self.name)
+        failed = True
+        try:
+            out = self._complete()
+            failed = False
+            return out
+        except EngineError as e:
+            raise _entry.engine_failure(t, self.name, e) from e
+        finally:
+            if claimed is not None:
+                _entry.release(t, claimed, self.name, failed)
+
+    def _complete(self) -> list[Any]:
+        r, t, mine, signature = self.r, self.transport, self.mine, self.signature
+        results = _complete(r, t, self.results, self.rest, signature, mine)
+        self.results = self.rest = []
+        late = _arrived(r, t, results[0]) if r.guard and r.guard.when == "last" else None
+        out = _outputs(r, self.flat, t, signature, mine, results, True, False)
+        self.flat = None
+        if late is not None and late != mine.wire:
+            _verdict.fire(t, signature, r.op.src)
+        for got, like in zip(out, self.likes, strict=True):  # (what its outputs said they are)
+            if like is not None and (got.shape != like.shape or got.dtype != like.dtype):
+                raise AssertionError(f"{self.name}: an output in flight was {like}, it is {got}")
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where ``t``'s bytes are (an output in flight: its value's, which its
+    use by this call's packing has completed)."""
+    if isinstance(t, _pending.PendingTensor):
+        t = t.value()
+    return t.untyped_storage().data_ptr()
+
+
+# id(recipe) -> (the recipe, its outputs' meta tensors): what a pending
+# call's outputs are made like, before its collectives have completed
+_likes: _memo.Memo[tuple[Recipe, list[Any]]] = _memo.Memo(locked=True)
+
+
+def _meta_outputs(r: Recipe, flat, transport: Transport, results, rest) -> tuple[Recipe, list[Any]]:
+    """The outputs of ``r`` as meta tensors (their shapes, dtypes and
+    strides): its decoding run once on meta tensors of its results' shapes,
+    the collectives not yet started included (a result has ``rows`` times
+    its wire's elements, over its ``segments``)."""
+    metas = [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in results]
+    metas += [torch.empty(w.numel() * r.rows // r.segments, dtype=w.dtype, device="meta") for w in rest]
+    n, size = r.first
+    if size and r.rows == 1:  # (as :func:`_complete` cuts it)
+        metas[0] = metas[0][:n]
+    return r, _outputs(r, flat, transport, None, None, metas, False, False)

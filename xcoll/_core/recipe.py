@@ -69,6 +69,7 @@ class Collective(_header.Rules, Protocol):
     """What :func:`build` and :mod:`xcoll._core.execute` read of a collective
     (:class:`xcoll._core.ops.Packed`: its rules, one method each)."""
 
+    name: str
     src: int
     joins: bool
     scatters: bool
@@ -143,6 +144,10 @@ class Recipe:
     #: sent in (:data:`xcoll._encode.pack.SMALL` bytes; 0: larger, sent as it
     #: is), per segment.
     first: tuple[int, int] = (0, 0)
+    #: Whether the verdict is read as the first collective arrives, before
+    #: the others start (an eager engine's guarded call: :attr:`Guard.when`
+    #: "first").
+    early: bool = False
     #: A lazy engine's call whose buffers, header included, fit in
     #: :data:`xcoll._encode.pack.SMALL` bytes: with sync, packed and cut on
     #: the host around one all-gather of that size (:mod:`xcoll._backends.hosted`).
@@ -204,6 +209,7 @@ def build(
     layout = _joined(b, live, apart, g) if joined else None
     ops = tuple(plan.ops[k] for k in live) if plan.ops else ()
     segments = world if op.scatters else 1
+    early = g is not None and g.when == "first"
     small = _nbytes(layout, [b[k] for k in live], ops, part_shapes) * segments <= _pack.SMALL
     return Recipe(
         op=op,
@@ -231,11 +237,8 @@ def build(
         ints=tuple(b[k].exact for k in live if b[k].scalars),
         identity=identity,
         hosted=lazy and world > 1 and not identity and small,
-        first=(
-            _first(layout, [b[k] for k in live], ops, part_shapes)
-            if g and g.when == "first"
-            else (0, 0)
-        ),
+        first=_first(layout, [b[k] for k in live], ops, part_shapes) if early else (0, 0),
+        early=early,
     )
 
 

@@ -108,15 +108,19 @@ class entered:
         if claimed is not None:
             release(self.transport, claimed, self.name, failed=value is not None)
         if value is not None and isinstance(value, EngineError):
-            t = self.transport
-            raise RuntimeError(
-                f"{self.name}: a collective did not complete on {t.rank_name(t.rank())}: {value} "
-                "(a replica that never arrived, or that the engine stopped. A replica whose code "
-                "raised before this call, and that went on, is one call behind: tag the calls "
-                "(tag=, xcoll.step) to name it. gloo kills a rank that receives a larger buffer "
-                "than its own, as when replicas' calls differ: XCOLL_CHECK=always names such a "
-                "difference)"
-            ) from value
+            raise engine_failure(self.transport, self.name, value) from value
+
+
+def engine_failure(t: Transport, name: str, error: EngineError) -> RuntimeError:
+    """The engine's failure to complete a collective of call ``name``, in xcoll's words."""
+    return RuntimeError(
+        f"{name}: a collective did not complete on {t.rank_name(t.rank())}: {error} "
+        "(a replica that never arrived, or that the engine stopped. A replica whose code "
+        "raised before this call, and that went on, is one call behind: tag the calls "
+        "(tag=, xcoll.step) to name it. gloo kills a rank that receives a larger buffer "
+        "than its own, as when replicas' calls differ: XCOLL_CHECK=always names such a "
+        "difference)"
+    )
 
 
 # group_key -> [the calling thread's ident, whether another call overlapped it]

@@ -5,9 +5,12 @@ The dataset's length is a multiple neither of the number of replicas nor of the
 batch size, so ``DistributedSampler`` pads it with repeated samples and the last
 batch is short. Still, every sample is counted exactly once:
 
-* predictions: each batch's predictions and dataset indices are gathered to the
-  host in one call (its sync also runs the forward pass);
-  ``xcoll.by_index`` then puts them in dataset order, each sample once;
+* predictions: each batch's predictions and dataset indices are gathered in
+  one call with ``sync=False``, which the next batch's ``xcoll.sync()``
+  completes: on torch.distributed the gather is in flight while the next
+  batch's forward pass computes (the call returns at once); on XLA that sync
+  is one execution of the gather and the next forward pass. ``xcoll.by_index``
+  then puts them in dataset order, each sample once;
 * metrics: loss and accuracy accumulate on the device, with the sampler's padding
   masked out, with no sync inside the loop beyond the per-batch gather; one
   ``xcoll.reduce`` at the end gives the global values;
@@ -70,6 +73,15 @@ def replica_device(kind: str) -> torch.device:
     return torch.device(kind)
 
 
+def _completed(out: dict[str, torch.Tensor], preds: list[torch.Tensor], index: list[torch.Tensor]) -> None:
+    """Completes the calls in flight (on torch.distributed: waits for their
+    collectives, which ran during this batch's forward; on XLA: one execution
+    of everything pending) and keeps a gather's results on the host."""
+    xcoll.sync()
+    preds.append(out["pred"].cpu())
+    index.append(out["index"].cpu())
+
+
 def evaluate(args: tuple[int, int, str]) -> dict[str, Any]:
     """One replica's loop over its shard of ``n`` samples in batches of
     ``batch``, with its tensors on a device of ``kind`` (``args``: ``(n, batch,
@@ -91,7 +103,9 @@ def evaluate(args: tuple[int, int, str]) -> dict[str, Any]:
     loss_sum = torch.zeros((), device=dev)
     correct = torch.zeros((), dtype=torch.int64, device=dev)
     count = torch.zeros((), dtype=torch.int64, device=dev)
-    preds, index = [], []
+    preds: list[torch.Tensor] = []
+    index: list[torch.Tensor] = []
+    in_flight = None  # the previous batch's gather, not yet completed
     with torch.no_grad():
         for start in range(0, len(mine), batch):  # the same batches on every replica
             idx = mine[start : start + batch]
@@ -101,10 +115,12 @@ def evaluate(args: tuple[int, int, str]) -> dict[str, Any]:
             loss_sum = loss_sum + (F.cross_entropy(logits, yb, reduction="none") * keep).sum()
             correct = correct + ((pred == yb) & keep).sum()
             count = count + keep.sum()
+            if in_flight is not None:
+                _completed(in_flight, preds, index)
             with xcoll.step(start):  # names the batch's call (docs/reliability.md)
-                out = xcoll.gather({"pred": pred, "index": idx.to(dev)}, to_cpu=True)
-            preds.append(out["pred"])
-            index.append(out["index"])
+                in_flight = xcoll.gather({"pred": pred, "index": idx.to(dev)}, sync=False)
+    if in_flight is not None:
+        _completed(in_flight, preds, index)
 
     # (read on the host: to_cpu fetches them with the call's one transfer)
     totals = xcoll.reduce(

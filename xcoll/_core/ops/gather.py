@@ -45,7 +45,9 @@ class Gather(Move):
     name: str = "xcoll.gather"
 
     def head(self, sync, to_cpu):
-        return f"{gather_params(self.dim, self.stack, False, None)} {super().head(sync, to_cpu)}"
+        # (gather_params' text, written out: a call's head is made on every call)
+        params = f"dim={self.dim} stack={self.stack} uneven=False max_size=None"
+        return f"{params} {super().head(sync, to_cpu)}"
 
     def key(self, flat, world):
         if self.dim.__class__ is not int:  # (an int makes no call)

@@ -1,0 +1,353 @@
+"""Calls in flight on torch.distributed: ``sync=False`` starts a call's
+collectives and returns; the call completes at ``xcoll.sync()`` or at the
+first use of an output (docs/design.md, "Calls in flight"). Real gloo
+processes at W=2 and W=4."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+
+import xcoll
+from tests import strategies as S
+from tests.helpers import PROPERTY, assert_trees, leaves, same_bits
+from tests.replicas import shared_pool, to_cpu
+from tests.test_properties import _flip, _reduce_case
+from xcoll._core import ops as _ops
+from xcoll._core.pending import PendingTensor
+
+WORLDS = ["gloo-2", "gloo-4"]
+
+
+@pytest.fixture(scope="session", params=WORLDS)
+def gloo(request):
+    return shared_pool(request.param)
+
+
+# ---- the same values and verdicts as a blocking call ---------------------------
+
+
+def _in_flight(args):
+    """The call blocking, then in flight; the caller changes its inputs as
+    soon as the call returns and writes into its outputs after the sync."""
+    name, tree, kwargs, alone = args
+    with _ops.tuned(alone=alone):  # (a bucket of one tensor from ``alone`` bytes travels as itself)
+        want = to_cpu(getattr(xcoll, name)(tree, **kwargs))
+        got = getattr(xcoll, name)(tree, sync=False, **kwargs)
+    kinds = sorted({type(t).__name__ for t in leaves(got) if isinstance(t, torch.Tensor)})
+    _flip(tree)  # (the caller reuses its inputs at once)
+    xcoll.sync()
+    _flip(tree)
+    out = to_cpu(got)
+    _flip(got)  # if any output aliased an input, the input would change
+    return {"want": want, "out": out, "kinds": kinds, "inputs_after": to_cpu(tree)}
+
+
+def _case(data, w: int):
+    name = data.draw(st.sampled_from(["gather", "reduce", "broadcast", "reduce_scatter", "all_to_all"]), "name")
+    if name in ("reduce", "reduce_scatter"):  # (tensor leaves: cut into parts, which a reduce keeps)
+        op, trees = data.draw(_reduce_case(w, 0))
+        return name, trees, {"op": op}
+    skeleton = data.draw(S.skeletons(scalars=False), "skeleton")
+    kwargs: dict = {}
+    if name in ("reduce_scatter", "all_to_all"):
+        skeleton = S.scatterable(skeleton, w, 0)
+    elif name == "gather":
+        kwargs = {"dim": data.draw(st.sampled_from([0, -1]), "dim"), "stack": data.draw(st.booleans())}
+    else:
+        kwargs = {"src": data.draw(st.integers(0, w - 1), "src")}
+    return name, data.draw(S.rank_trees(skeleton, w), "trees"), kwargs
+
+
+@PROPERTY
+@given(data=st.data())
+def test_a_call_in_flight_gives_the_blocking_calls_values(gloo, data):
+    w = gloo.world_size
+    name, trees, kwargs = _case(data, w)
+    alone = data.draw(st.sampled_from([1 << 24, 16]), "alone")
+    reports = gloo.run(_in_flight, [(name, t, kwargs, alone) for t in trees])
+    for r, (rep, tree) in enumerate(zip(reports, trees, strict=True)):
+        assert_trees(rep["out"], rep["want"], same_bits, f"{name} in flight on rank {r}")
+        assert_trees(rep["inputs_after"], tree, same_bits, "an input changed")
+        assert rep["kinds"] in ([], ["PendingTensor"]), rep["kinds"]
+
+
+def _changed_at_once(name):
+    """A large leaf, which travels as itself, changed by its caller as soon
+    as the call returns, while the peers have not called yet (gloo has sent
+    part of it at most: the rest would be the changed values, were the
+    wire the caller's tensor)."""
+    rank = xcoll.rank()
+    x = torch.arange(1 << 21, dtype=torch.float32) + rank
+    want = getattr(xcoll, name)(x.clone())
+    if rank != 0:
+        time.sleep(0.5)
+    with _ops.tuned(alone=16):
+        got = getattr(xcoll, name)(x, sync=False)
+    x.neg_()
+    xcoll.sync()
+    return torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["gather", "broadcast", "reduce"])
+def test_the_caller_may_change_a_large_input_at_once(gloo, name):
+    assert gloo.run(_changed_at_once, [name] * gloo.world_size) == [True] * gloo.world_size
+
+
+# ---- it returns before a late peer has called ------------------------------------
+
+
+def _before_the_late_peer(args):
+    """Rank 0 calls first; the others call only once rank 0's call has
+    returned (or after a minute). Rank 0 reports whether any had called
+    by then: a call that waited for them could not have returned first."""
+    folder, name = pathlib.Path(args[0]), args[1]
+    rank = xcoll.rank()
+    x = torch.arange(8.0).reshape(4, 2) + rank
+    xcoll.barrier()  # (a group's first call is checked in full: it waits for every replica)
+    if rank != 0:
+        deadline = time.monotonic() + 60
+        while not (folder / "returned").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (folder / f"called-{rank}").touch()
+    out = getattr(xcoll, name)(x, sync=False)
+    called = sorted(p.name for p in folder.glob("called-*"))
+    if rank == 0:
+        (folder / "returned").touch()
+    want = getattr(xcoll, name)(x)
+    return called, torch.equal(out, want)
+
+
+@pytest.mark.parametrize("name", ["gather", "reduce", "broadcast", "reduce_scatter", "all_to_all"])
+def test_a_call_in_flight_returns_before_a_late_peer_has_called(gloo, tmp_path, name):
+    reports = gloo.run(_before_the_late_peer, [(str(tmp_path), name)] * gloo.world_size)
+    assert reports[0] == ([], True)
+    assert all(equal for _, equal in reports)
+
+
+# ---- in order, completed by the first use of an output ---------------------------
+
+
+def _several(_=None):
+    """Four calls in flight (a reduce of two dtypes: its second collective
+    starts when it completes); the last one's output used first, then
+    the sync."""
+    rank = xcoll.rank()
+    a = {"f": torch.arange(6.0) + rank, "i": torch.arange(3) * (rank + 1)}
+    b = {"h": torch.ones(4, dtype=torch.float16) * rank, "d": torch.full((2,), 0.5 + rank, dtype=torch.float64)}
+    blocking = [xcoll.gather(a), xcoll.reduce(b), xcoll.broadcast(a, src=1), xcoll.reduce(b, "max")]
+    calls = [
+        xcoll.gather(a, sync=False),
+        xcoll.reduce(b, sync=False),
+        xcoll.broadcast(a, src=1, sync=False),
+        xcoll.reduce(b, "max", sync=False),
+    ]
+    first = calls[-1]["h"] + 0  # (completes every call before it on the group)
+    done = [t._call.outputs is not None for c in calls for t in leaves(c)]
+    xcoll.sync()
+    same = [all(torch.equal(c[k], w[k]) for k in w) for c, w in zip(calls, blocking, strict=True)]
+    return done, same, torch.equal(first, blocking[-1]["h"])
+
+
+def test_calls_in_flight_complete_in_order_at_the_first_use_of_an_output(gloo):
+    for done, same, first in gloo.run(_several, [None] * gloo.world_size):
+        assert all(done) and all(same) and first
+
+
+def _printed(_=None):
+    """print, item, tolist and numpy of outputs in flight."""
+    x = torch.tensor([1.5, 2.5]) * (xcoll.rank() + 1)
+    got = [xcoll.reduce(x, sync=False) for _ in range(4)]
+    return repr(got[0]), got[1][0].item(), got[2].tolist(), got[3].numpy().tolist()
+
+
+def test_outputs_in_flight_print_and_convert_to_their_values(gloo):
+    w = gloo.world_size
+    total = [1.5 * w * (w + 1) / 2, 2.5 * w * (w + 1) / 2]
+    for text, item, values, array in gloo.run(_printed, [None] * w):
+        assert text == repr(torch.tensor(total)) and item == total[0]
+        assert values == total and array == total
+
+
+def _chained(_=None):
+    """Outputs in flight passed to the next calls, copied and pickled."""
+    import copy
+    import io
+
+    x = torch.arange(4.0) + xcoll.rank()
+    a = xcoll.gather(x, sync=False)
+    b = xcoll.gather(a, sync=False)  # (its packing completes ``a``)
+    c = xcoll.reduce({"a": a, "b": b})
+    buf = io.BytesIO()
+    torch.save(b, buf)
+    buf.seek(0)
+    saved = torch.load(buf)  # (this test's own file, not another replica's data)
+    xcoll.sync()
+    return [to_cpu(t) for t in (a, b, c["b"], copy.deepcopy(b), saved)], type(saved).__name__
+
+
+def test_outputs_in_flight_are_inputs_copies_and_pickles_of_their_values(gloo):
+    w = gloo.world_size
+    x = [torch.arange(4.0) + r for r in range(w)]
+    a = torch.cat(x)
+    b = torch.cat([a] * w)
+    for got, kind in gloo.run(_chained, [None] * w):
+        assert kind == "Tensor"
+        for t, want in zip(got, [a, b, b * w, b, b], strict=True):
+            assert torch.equal(t, want)
+
+
+# ---- a mismatch raises from the sync, on every replica -------------------------
+
+
+def _mismatched(how):
+    rank = xcoll.rank()
+    xcoll.barrier()  # (a group's first call is checked in full, before it communicates)
+    x = torch.arange(3.0 + (rank == 1 and how == "shape"))
+    got = xcoll.gather(x, sync=False, tag=f"t{rank}" if how == "tag" else None)
+    try:
+        xcoll.sync()
+    except xcoll.CollectiveMismatchError as e:
+        return type(e).__name__, "xcoll.gather" in str(e)
+    return to_cpu(got)
+
+
+@pytest.mark.parametrize("how", ["shape", "tag"])
+def test_a_call_in_flight_that_differs_raises_from_the_sync_on_every_replica(gloo, how):
+    reports = gloo.run(_mismatched, [how] * gloo.world_size)
+    assert reports == [("CollectiveMismatchError", True)] * gloo.world_size
+
+
+def _mismatched_use(_=None):
+    xcoll.barrier()  # (as above)
+    got = xcoll.gather(torch.arange(3.0 + (xcoll.rank() == 1)), sync=False)
+    try:
+        got + 1
+    except xcoll.CollectiveMismatchError as e:
+        again = None
+        try:  # (a failed call's outputs do not exist: a clear error, every time)
+            got.sum()
+        except RuntimeError as f:
+            again = "failed when it completed" in str(f)
+        xcoll.sync()
+        return type(e).__name__, "xcoll.gather" in str(e), again
+    return None
+
+
+def test_a_call_in_flight_that_differs_raises_at_the_first_use_on_every_replica(gloo):
+    reports = gloo.run(_mismatched_use, [None] * gloo.world_size)
+    assert reports == [("CollectiveMismatchError", True, True)] * gloo.world_size
+
+
+def _completed_during_another_threads_call(_=None):
+    """A call in flight completed (its output used) while another thread of
+    this process is inside a call on the same group: on a fresh group, which
+    this makes unusable."""
+    import threading
+
+    import torch.distributed as dist
+
+    from xcoll import _backends
+    from xcoll._guard import check as _check
+    from xcoll._guard import entry as _entry
+
+    group = dist.new_group(backend="gloo")
+    out = xcoll.gather(torch.ones(2) * xcoll.rank(), sync=False, group=group)
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        t = _backends.current(group)
+        try:  # (entered as a public call is, in mode "never": no collective)
+            with xcoll.consistency_checks("never"), _entry.entered(t, "xcoll.other", "", _check.Description(())):
+                inside.set()
+                done.wait(60)
+        except xcoll.ConcurrentCallError:
+            pass
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    assert inside.wait(60)
+    try:
+        out + 1
+        got = "completed"
+    except xcoll.ConcurrentCallError as e:
+        got = type(e).__name__
+    done.set()
+    thread.join(60)
+    return got
+
+
+def test_a_call_in_flight_completed_during_another_threads_call_raises():
+    # (one thread per group, as for calls: its completion claims the group)
+    pool = shared_pool("gloo-2")
+    assert pool.run(_completed_during_another_threads_call, [None] * 2) == ["ConcurrentCallError"] * 2
+
+
+def _late_at_the_sync(_=None):
+    """Rank 0's sync waits for a peer that calls late: the watchdog's
+    diagnosis (after 1 s here) names the call in flight."""
+    from tests.test_out_of_step import _stderr_and_watchdog
+
+    xcoll.barrier()  # (a group's first call is checked in full: it waits for every replica)
+    with _stderr_and_watchdog(1.0) as err:
+        if xcoll.rank() == 1:
+            time.sleep(2.5)
+        out = xcoll.gather(torch.ones(2), sync=False)
+        xcoll.sync()
+    return err.getvalue(), out.tolist()
+
+
+def test_a_sync_that_waits_for_a_late_peer_is_diagnosed():
+    printed, values = shared_pool("gloo-2").run(_late_at_the_sync, [None] * 2)[0]
+    assert values == [1.0] * 4
+    assert "xcoll: xcoll.gather made with sync=False has waited 1 s to complete" in printed, printed
+    assert "a replica has not reached this call" in printed, printed
+
+
+def _skipped_by_a_peer(_=None):
+    xcoll.barrier()
+    if xcoll.rank() == 1:
+        return "skipped"
+    out = xcoll.gather(torch.ones(2), sync=False)
+    try:
+        xcoll.sync()
+    except RuntimeError as e:
+        return str(e).split(": ")[:2]
+    return out.tolist()
+
+
+def test_a_call_in_flight_that_times_out_says_which_call():
+    from xcoll.testing import GlooPool
+
+    with GlooPool(2, timeout=120, collective_timeout=3) as pool:
+        got = pool.run(_skipped_by_a_peer, [None] * 2)
+    assert got == [["xcoll.gather", "a collective did not complete on rank 0"], "skipped"], got
+
+
+# ---- gradients through a call in flight ------------------------------------------
+
+
+def _grads(sync: bool):
+    rank = xcoll.rank()
+    x = (torch.arange(6.0, dtype=torch.float64).reshape(3, 2) + rank).requires_grad_()
+    w = torch.arange(6.0 * xcoll.world_size(), dtype=torch.float64).reshape(-1, 2)
+    every = xcoll.gather(x, grad=True, sync=sync)
+    (every * w).sum().backward()
+    xcoll.sync()
+    return x.grad
+
+
+def test_the_gradient_through_a_call_in_flight_is_the_blocking_calls(gloo):
+    w = gloo.world_size
+    for blocking, flying in zip(gloo.run(_grads, [True] * w), gloo.run(_grads, [False] * w), strict=True):
+        assert torch.equal(blocking, flying)
+
+
+def test_a_world_of_one_completes_at_once():
+    out = xcoll.gather(torch.ones(2), sync=False)
+    assert type(out) is torch.Tensor and not isinstance(out, PendingTensor)
