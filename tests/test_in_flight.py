@@ -159,6 +159,30 @@ def test_calls_in_flight_complete_in_order_at_the_first_use_of_an_output(gloo):
         assert all(done) and all(same) and first
 
 
+def _threads_in_turn(_=None):
+    """Two reduces of two dtypes in flight on one group, made by two threads
+    in turn (their second collectives start at completion); rank 0 then
+    completes the later one first, the others the earlier one: the order
+    kept per group makes every replica complete them in the calls' order."""
+    import threading
+
+    rank = xcoll.rank()
+    b = {"h": torch.ones(4, dtype=torch.float16) * rank, "d": torch.full((2,), 0.5 + rank, dtype=torch.float64)}
+    want = [xcoll.reduce(b), xcoll.reduce(b, "max")]
+    made = []
+    thread = threading.Thread(target=lambda: made.append(xcoll.reduce(b, sync=False)))
+    thread.start()
+    thread.join()
+    made.append(xcoll.reduce(b, "max", sync=False))
+    made[1 if rank == 0 else 0]["d"] + 0
+    xcoll.sync()
+    return [all(torch.equal(m[k], w[k]) for k in w) for m, w in zip(made, want, strict=True)]
+
+
+def test_calls_in_flight_from_two_threads_complete_in_their_groups_order(gloo):
+    assert gloo.run(_threads_in_turn, [None] * gloo.world_size) == [[True, True]] * gloo.world_size
+
+
 def _printed(_=None):
     """print, item, tolist and numpy of outputs in flight."""
     x = torch.tensor([1.5, 2.5]) * (xcoll.rank() + 1)

@@ -132,7 +132,7 @@ def gather(
             next sync (``xcoll.sync()``), which raises
             :class:`xcoll.CollectiveMismatchError` where the calls differed.
             On torch.distributed the call starts its collectives and returns
-            at once; it completes at this thread's ``xcoll.sync()`` or the
+            at once; it completes at ``xcoll.sync()`` or the
             first use of an output, whichever comes first (its outputs
             complete it as they are used: docs/design.md, "Calls in flight").
         to_cpu: return CPU tensors, fetched with one transfer per packed buffer.
@@ -555,8 +555,8 @@ def sync(group: Any = None) -> None:
     thread-per-device replicas (XLA:CPU, older TPUs) need to avoid compiling the
     same graph once per thread, followed by a wait for this replica's execution
     and a read of the guards of the ``sync=False`` calls it ran. On
-    torch.distributed it completes this thread's calls in flight, in the
-    order they were made (of ``group`` only, if given): waits for their
+    torch.distributed it completes the process's calls in flight, in the
+    order they were made on each group (of ``group`` only, if given): waits for their
     collectives, reads their guards and makes their outputs. A wait of more
     than a few seconds (a replica that skipped a call) prints xcoll's
     diagnosis to stderr.

@@ -3,14 +3,14 @@
 :class:`PendingTensor`\\ s, and the call completes (its collectives waited
 for, its guard read, its outputs decoded) at the first of:
 
-* :func:`xcoll.sync` in the thread that made it (every pending call of
-  that thread, or of the ``group=`` it is given);
+* :func:`xcoll.sync` (every call in flight of the process, or of the
+  ``group=`` it is given);
 * the first use of one of its outputs (any operation on it, ``print``,
   ``.item()``, ``.tolist()``, ``.numpy()``), as PyTorch's
   ``AsyncCollectiveTensor`` waits on first use.
 
-Completing one call completes the earlier pending calls of its thread on
-its group first: a call's collectives after its first are started when it
+Completing one call completes the earlier calls in flight on its group
+first, whichever thread made them: a call's collectives after its first are started when it
 completes (after its first one's guard header has been read, as a
 blocking call does), so that they pair in the same order on every replica.
 
@@ -34,11 +34,11 @@ from .._guard import watchdog as _watchdog
 
 
 class Call(ABC):
-    """One ``sync=False`` call in flight, in its thread's order on its group."""
+    """One ``sync=False`` call in flight, in its order on its group."""
 
     def __init__(self, group: Hashable, name: str) -> None:
         self.group, self.name = group, name
-        # (the earlier call in flight on this thread's group: it completes first)
+        # (the earlier call in flight on its group: it completes first)
         self.earlier: Call | None = None
         self.outputs: list[Any] | None = None
         self.failed: str | None = None  # (why it could not complete)
@@ -63,14 +63,17 @@ class Call(ABC):
 
 
 _lock = threading.RLock()  # (an output may be used from another thread)
-_last = threading.local()  # .calls: {group: the latest call in flight of this thread}
+# {group: the latest call in flight on it}. Per group, not per thread: the
+# collectives a completion starts must pair in the calls' order on their
+# group on every replica, whichever thread made a call or completes it.
+_latest: dict[Hashable, Call] = {}
 
 
 def started(call: Call) -> None:
-    """Puts ``call`` in its thread's order on its group."""
-    calls = _calls()
-    call.earlier = calls.get(call.group)
-    calls[call.group] = call
+    """Puts ``call`` last in its group's order."""
+    with _lock:
+        call.earlier = _latest.get(call.group)
+        _latest[call.group] = call
 
 
 def completed(call: Call) -> None:
@@ -92,18 +95,11 @@ def completed(call: Call) -> None:
 
 
 def sync(group: Hashable | None = None) -> None:
-    """Completes this thread's calls in flight (on ``group``'s key only, if given)."""
-    calls = _calls()
-    for key in [k for k in calls if group is None or k == group]:
-        call = calls.pop(key)
+    """Completes the process's calls in flight (on ``group``'s key only, if given)."""
+    with _lock:
+        latest = [_latest.pop(k) for k in list(_latest) if group is None or k == group]
+    for call in latest:
         completed(call)
-
-
-def _calls() -> dict[Hashable, Call]:
-    calls = getattr(_last, "calls", None)
-    if calls is None:
-        calls = _last.calls = {}
-    return calls
 
 
 def _waited(name: str, seconds: float) -> str:
