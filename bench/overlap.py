@@ -1,14 +1,20 @@
 """An evaluation loop whose per-batch gather overlaps the next batch's
 compute (``sync=False``), against the same loop blocking, on gloo.
 
-    python -m bench.overlap [--replicas 2 4] [--batches 20] [--rounds 3]
+    python -m bench.overlap [--replicas 2 4] [--batches 20] [--rounds 3] [--out bench]
 
 Each replica runs W gloo processes (``xcoll.testing.GlooPool``). Per batch,
-the "forward pass" is a fixed amount of compute (float32 ``n x n`` matmuls,
-``n`` chosen on rank 0 so that one takes about as long as the batch's
-gather: compute and communication about equal), and the batch's results, a
+the "forward pass" is a fixed amount of compute, and the batch's results, a
 tree of three leaves (predictions, logits, indices: ``ROWS`` rows, about
-0.5 MiB), are gathered. The loops:
+0.5 MiB), are gathered. The compute is, in turn:
+
+* a float32 ``n x n`` matmul, ``n`` chosen on rank 0 so that one takes about
+  as long as the batch's blocking gather (compute and communication about
+  equal); it runs on the cores that gloo's threads also need;
+* a sleep as long as that matmul: compute that holds no core, as a kernel
+  running on an accelerator leaves the host's cores to the communication.
+
+The loops, for each compute:
 
 * ``xcoll.gather`` blocking: compute batch k, gather it;
 * ``xcoll.gather(sync=False)``: compute batch k, ``xcoll.sync()`` (completes
@@ -18,17 +24,20 @@ tree of three leaves (predictions, logits, indices: ``ROWS`` rows, about
 
 Every loop's gathered results are checked against the blocking xcoll loop's.
 Prints one markdown table: the median time of a whole loop (ms, rank 0) and
-its ratio to the blocking xcoll loop. The processes share this machine's
-cores, so compute and gloo's own threads compete for them: the overlap is
-what is left after that.
+its ratio to the same compute's blocking xcoll loop; with ``--out DIR``, also
+puts it into ``DIR/results.json`` and ``DIR/results.md`` (``python -m
+bench`` runs it too).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,35 +55,35 @@ def _compute(a: torch.Tensor) -> torch.Tensor:
     return a @ a
 
 
-def _blocking(batches, a) -> list:
+def _blocking(batches, compute) -> list:
     import xcoll
 
     out = []
     for b in batches:
-        _compute(a)
+        compute()
         out.append(xcoll.gather(b))
     return out
 
 
-def _overlapped(batches, a) -> list:
+def _overlapped(batches, compute) -> list:
     import xcoll
 
     out = []
     for b in batches:
-        _compute(a)
+        compute()
         xcoll.sync()  # (completes the previous batch's gather)
         out.append(xcoll.gather(b, sync=False))
     xcoll.sync()
     return out
 
 
-def _per_leaf(batches, a) -> list:
+def _per_leaf(batches, compute) -> list:
     import torch.distributed as dist
 
     w = dist.get_world_size()
     out = []
     for b in batches:
-        _compute(a)
+        compute()
         got = {}
         for key, t in b.items():
             o = t.new_empty(w * t.shape[0], *t.shape[1:])
@@ -84,16 +93,23 @@ def _per_leaf(batches, a) -> list:
     return out
 
 
-LOOPS: dict[str, Callable[[list, torch.Tensor], list]] = {
-    "xcoll.gather, blocking": _blocking,
+BLOCKING = "xcoll.gather, blocking"
+LOOPS: dict[str, Callable[[list, Callable[[], Any]], list]] = {
+    BLOCKING: _blocking,
     "xcoll.gather(sync=False), completed after the next batch's compute": _overlapped,
     "dist.all_gather_into_tensor per leaf, blocking": _per_leaf,
 }
 
 
-def _size(batches) -> int:
-    """The matmul size whose time is closest to one blocking gather's
-    (measured on rank 0, shared with every rank)."""
+#: Each batch's compute: the matmul, on the cores gloo also uses, and a sleep of
+#: the matmul's time, which holds no core (as a kernel running on an
+#: accelerator leaves the host's cores to the communication).
+COMPUTES = {"matmul": "a matmul", "sleep": "a sleep as long"}
+
+
+def _size(batches) -> tuple[int, float]:
+    """The matmul size whose time is closest to one blocking gather's, and
+    that time in seconds (measured on rank 0, shared with every rank)."""
     import xcoll
 
     xcoll.gather(batches[0])
@@ -101,7 +117,7 @@ def _size(batches) -> int:
     for b in batches[:5]:
         xcoll.gather(b)
     gather = (time.perf_counter() - start) / 5
-    best, gap = 64, float("inf")
+    best, gap, best_took = 64, float("inf"), 0.0
     for n in (64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 576, 640, 768):
         a = torch.randn(n, n)
         _compute(a)
@@ -110,8 +126,9 @@ def _size(batches) -> int:
             _compute(a)
         took = (time.perf_counter() - start) / 3
         if abs(took - gather) < gap:
-            best, gap = n, abs(took - gather)
-    return int(xcoll.broadcast(torch.tensor(best), src=0))
+            best, gap, best_took = n, abs(took - gather), took
+    n, took = xcoll.broadcast((torch.tensor(best), torch.tensor(best_took, dtype=torch.float64)), src=0)
+    return int(n), float(took)
 
 
 def measure(args: tuple[int, int]) -> dict[str, Any]:
@@ -120,38 +137,55 @@ def measure(args: tuple[int, int]) -> dict[str, Any]:
     n_batches, rounds = args
     torch.set_num_threads(1)  # (W processes share the machine's cores)
     batches = [_batch(k, xcoll.rank()) for k in range(n_batches)]
-    n = _size(batches)
+    n, took = _size(batches)
     a = torch.randn(n, n)
-    want = _blocking(batches, a)
-    times: dict[str, list[float]] = {name: [] for name in LOOPS}
+    computes = {"matmul": functools.partial(_compute, a), "sleep": functools.partial(time.sleep, took)}
+    want = _blocking(batches, computes["matmul"])
+    times: dict[str, list[float]] = {f"{c}: {name}": [] for c in computes for name in LOOPS}
     for _ in range(rounds):
-        for name, loop in LOOPS.items():
-            xcoll.barrier()
-            start = time.perf_counter()
-            got = loop(batches, a)
-            times[name].append(time.perf_counter() - start)
-            for g, w in zip(got, want, strict=True):
-                assert all(torch.equal(g[k], w[k]) for k in w), name
-    return {"n": n, **{name: 1e3 * statistics.median(t) for name, t in times.items()}}
+        for c, compute in computes.items():
+            for name, loop in LOOPS.items():
+                xcoll.barrier()
+                start = time.perf_counter()
+                got = loop(batches, compute)
+                times[f"{c}: {name}"].append(time.perf_counter() - start)
+                for g, w in zip(got, want, strict=True):
+                    assert all(torch.equal(g[k], w[k]) for k in w), name
+    return {"n": n, "compute_ms": 1e3 * took, **{name: 1e3 * statistics.median(t) for name, t in times.items()}}
 
 
-def table(reports: dict[int, dict[str, Any]], batches: int) -> str:
+def table(overlap: dict[str, Any]) -> str:
+    """The markdown table of :func:`run`'s result: per compute and loop, the
+    median ms of a whole loop and its ratio to that compute's blocking xcoll loop."""
+    reports = {int(w): r for w, r in overlap["worlds"].items()}
     worlds = sorted(reports)
     lines = [
-        f"An evaluation loop of {batches} batches on gloo: per batch a matmul, then a gather of "
-        f"{ROWS} rows (pred, logits of {CLASSES}, index); median ms per loop (x the blocking "
-        "xcoll loop)",
-        "",
-        "| loop | " + " | ".join(f"W={w} (matmul n={reports[w]['n']})" for w in worlds) + " |",
+        f"| loop ({overlap['batches']} batches) | "
+        + " | ".join(f"W={w} (n={reports[w]['n']}, {reports[w]['compute_ms']:.1f} ms)" for w in worlds)
+        + " |",
         "|---|" + "---:|" * len(worlds),
     ]
-    for name in LOOPS:
-        cells = []
-        for w in worlds:
-            ms, base = reports[w][name], reports[w]["xcoll.gather, blocking"]
-            cells.append(f"{ms:.1f} ({ms / base:.2f}x)")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for compute in COMPUTES:
+        for name in LOOPS:
+            cells = []
+            for w in worlds:
+                ms, base = reports[w][f"{compute}: {name}"], reports[w][f"{compute}: {BLOCKING}"]
+                cells.append(f"{ms:.1f} ({ms / base:.2f}x)")
+            lines.append(f"| {COMPUTES[compute]}: {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def run(worlds: list[int], batches: int, rounds: int) -> dict[str, Any]:
+    """Each loop timed on gloo pools of ``worlds`` processes; the result, as
+    ``results.json`` keeps it under ``"overlap"``."""
+    from xcoll.testing import GlooPool
+
+    reports = {}
+    for w in worlds:
+        with GlooPool(w, timeout=600) as pool:
+            reports[str(w)] = pool.run(measure, [(batches, rounds)] * w)[0]
+    command = f"python -m bench.overlap --replicas {' '.join(map(str, worlds))} --batches {batches} --rounds {rounds}"
+    return {"command": command, "date": time.strftime("%Y-%m-%d"), "batches": batches, "worlds": reports}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,14 +193,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path, help="also put the table into DIR/results.json and DIR/results.md (default: print it only)")
     a = p.parse_args(argv)
-    from xcoll.testing import GlooPool
+    overlap = run(a.replicas, a.batches, a.rounds)
+    print(table(overlap))
+    if a.out is not None:
+        from bench import report
 
-    reports = {}
-    for w in a.replicas:
-        with GlooPool(w, timeout=600) as pool:
-            reports[w] = pool.run(measure, [(a.batches, a.rounds)] * w)[0]
-    print(table(reports, a.batches))
+        results = json.loads((a.out / "results.json").read_text())
+        results["overlap"] = overlap
+        (a.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        (a.out / "results.md").write_text(report.markdown(results))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ call on rank 0, after warm-up; a small call's methods in turn, call by call) and
 executions and compilations, collective ops traced, and device-to-host
 transfers (torch_xla's metrics), or process-group collectives (the torch
 profiler's ``gloo:`` events); then the peak memory of one call on a leaf of 1
-GiB (:mod:`bench.memory`; a gather of 64 MiB with ``--quick``). It writes ``results.json``, ``results.md`` (the
+GiB (:mod:`bench.memory`; a gather of 64 MiB with ``--quick``); then an
+evaluation loop whose gathers are in flight against the blocking one
+(:mod:`bench.overlap`, gloo W=2 and W). It writes ``results.json``, ``results.md`` (the
 tables, with each peer's time over xcoll's) and ``results.png`` (time per call
 against leaves, log-log) to ``--out``.
 
@@ -191,6 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     # (--quick: a gather's alone; each cell starts two fresh processes per method)
     peaks = memory.measure(64, 2, ("gather",)) if a.quick else memory.measure(1024, 2)
+    from bench import overlap
+
+    # (--quick: one small world, a few batches)
+    in_flight = overlap.run([2], 4, 1) if a.quick else overlap.run(sorted({2, w}), 20, 5)
     import torch
 
     results = {
@@ -201,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         "crashes": runner.crashes,
         "cells": cells,
         "memory": peaks,
+        "overlap": in_flight,
     }
     from bench import report
 

@@ -159,6 +159,10 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     # the small-call targets: each backend's three, with a ratio each
     small = report.split("## Targets for small calls", 1)[1].split("\n## ", 1)[0]
     assert len([line for line in small.splitlines() if line.startswith("| ") and "x (" in line]) == 9
+    # the evaluation loop in flight (--quick: W=2): each compute's three loops and target
+    flight = report.split("## gloo: an evaluation loop whose gathers are in flight", 1)[1]
+    assert len(re.findall(r"^\| a (matmul|sleep as long): .* \| [0-9.]+ \([0-9.]+x\) \|$", flight, re.M)) == 6
+    assert len(re.findall(r"^\| gloo W=2, a .*: the loop in flight at most 0.8x the blocking one \| [0-9.]+x \|", flight, re.M)) == 2
     png = (tmp_path / "results.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
