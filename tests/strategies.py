@@ -203,6 +203,11 @@ def _tensor(draw, spec: TensorSpec, exact: bool) -> torch.Tensor:
             bits[at] = draw(_nan_payload(spec.dtype))
     if spec.transposed:  # same shape, non-contiguous storage
         t = t.t().contiguous().t()
+    elif n == 1 and spec.shape and draw(st.booleans()):
+        # one element of stride 0, as the gradient of out.sum() is where out
+        # has one element (torch counts it contiguous, but will not view it
+        # as bytes)
+        t = t.reshape(()).expand(spec.shape)
     return t
 
 

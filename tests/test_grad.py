@@ -401,15 +401,16 @@ def test_a_training_step_is_one_execution(xla4):
     assert xla4.run(_step, [None] * 4)[0] == {"executions": 4, "compiles": 0}
 
 
-def _two_backwards(sync: bool):
-    """Two differentiable gathers of one tensor under different paths; rank
-    0's loss uses the first, the others' the second: their backward calls
-    differ (in the header's values only: on XLA every replica's program is
-    the same)."""
+def _two_backwards(args: tuple[str, bool]):
+    """Two differentiable calls of ``name`` on one tensor under different
+    paths; rank 0's loss uses the first, the others' the second: their
+    backward calls differ (in the header's values only: on XLA every
+    replica's program is the same)."""
+    name, sync = args
     dev = device()
     x = torch.ones(2).to(dev).requires_grad_()
-    first = xcoll.gather({"a": x}, grad=True, sync=sync)["a"]
-    second = xcoll.gather({"b": x}, grad=True, sync=sync)["b"]
+    first = getattr(xcoll, name)({"a": x}, grad=True, sync=sync)["a"]
+    second = getattr(xcoll, name)({"b": x}, grad=True, sync=sync)["b"]
     try:
         (first if xcoll.rank() == 0 else second).sum().backward()
         xcoll.sync()
@@ -419,13 +420,44 @@ def _two_backwards(sync: bool):
 
 
 @pytest.mark.parametrize(
-    "world, sync", [("gloo-2", True), ("xla-cpu-2", True), ("xla-cpu-2", False)]
+    "world, name, sync",
+    [
+        ("gloo-2", "gather", True),
+        ("xla-cpu-2", "gather", True),
+        ("xla-cpu-2", "gather", False),
+        *(("gloo-2", name, True) for name in ("reduce", "broadcast", "reduce_scatter", "all_to_all")),
+    ],
 )
-def test_a_backward_that_differs_raises_on_every_replica(world, sync):
-    for text in shared_pool(world).run(_two_backwards, [sync, sync]):
+def test_a_backward_that_differs_raises_on_every_replica(world, name, sync):
+    for text in shared_pool(world).run(_two_backwards, [(name, sync)] * 2):
         # each backward is named by its forward call: the first difference
-        assert "xcoll.gather backward" in text, text
+        assert f"xcoll.{name} backward: replicas made different calls" in text, text
         assert len(set(re.findall(r"tag: backward of call (\d+)", text))) == 2, text
+
+
+def _plain_sum(name):
+    """The gradient of ``out.sum()`` (a stride-0 gradient: the expanded 1 of
+    the sum) through ``name``, whose output or parts have one element."""
+    x = torch.ones(2 if name in ("reduce_scatter", "all_to_all") else 1).to(device()).requires_grad_()
+    getattr(xcoll, name)({"x": x}, grad=True)["x"].sum().backward()
+    xcoll.sync()  # (on XLA the backward's collective is in the pending graph)
+    return x.grad.cpu().tolist()
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+@pytest.mark.parametrize("name", ["gather", "reduce", "broadcast", "reduce_scatter", "all_to_all"])
+def test_the_gradient_of_a_plain_sum_of_one_element_outputs(world, name):
+    # the total loss is the sum of every replica's: each x is in W of them
+    # (gather, reduce, broadcast's src) or in one (its parts, every element once)
+    w = 2
+    want = {
+        "gather": [[2.0]] * w,
+        "reduce": [[2.0]] * w,
+        "broadcast": [[2.0], [0.0]],
+        "reduce_scatter": [[1.0, 1.0]] * w,
+        "all_to_all": [[1.0, 1.0]] * w,
+    }[name]
+    assert shared_pool(world).run(_plain_sum, [name] * w) == want
 
 
 def _second_derivative(name):

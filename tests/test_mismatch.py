@@ -55,6 +55,8 @@ def case(name: str, rank: int, last: bool, dev):
         return "reduce_scatter", {"x": torch.ones(4, 12).to(dev)}, {"dim": 1 if last else 0}
     if name == "all_to_all vs gather":
         return "all_to_all" if last else "gather", {"x": torch.ones(4, 12).to(dev)}, {}
+    if name in ("all_to_all shape", "reduce_scatter shape"):  # (the leaves' shapes, not their parts')
+        return name.split()[0], {"x": torch.ones(4, 8 if last else 12).to(dev)}, {"dim": 1}
     if name == "indivisible":
         return "all_to_all", {"x": torch.ones(4, 11 if last else 12).to(dev)}, {"dim": 1}
     if name == "mixed devices":
@@ -77,6 +79,8 @@ EXPECTED = {
     "mixed devices": ("builtins.TypeError", MISMATCH, "tree['y']"),
     "scatter dim": (MISMATCH, MISMATCH, "dim="),
     "all_to_all vs gather": (MISMATCH, MISMATCH, "xcoll.all_to_all"),
+    "all_to_all shape": (MISMATCH, MISMATCH, "tree['x']"),
+    "reduce_scatter shape": (MISMATCH, MISMATCH, "tree['x']"),
     "indivisible": ("builtins.ValueError", MISMATCH, "tree['x']"),
     "lone surrogate": ("builtins.TypeError", MISMATCH, "type Odd\ud800"),
     "object key": (MISMATCH, MISMATCH, "has tree[<function _key>]: float32 tensor of shape (2, "),
@@ -113,8 +117,12 @@ def test_every_replica_raises_and_the_pool_goes_on(world, name):
         if f.type_name == MISMATCH and odd == MISMATCH:  # names both replicas' calls
             assert f"this replica (rank {r}) has" in f.message, (r, f.message)
             assert f"; rank {other} has" in f.message, (r, f.message)
-            if name == "shape":  # each replica's line as described, nothing added
+            if name.endswith("shape"):  # each replica's line as described, nothing added
                 mine, theirs = ("(2, 4)", "(2, 3)") if r == w - 1 else ("(2, 3)", "(2, 4)")
+                if name != "shape":
+                    mine, theirs = ("(4, 8)", "(4, 12)") if r == w - 1 else ("(4, 12)", "(4, 8)")
+                if name == "reduce_scatter shape":  # (a reduce's line ends with its op)
+                    mine, theirs = f"{mine} op=sum", f"{theirs} op=sum"
                 assert (
                     f"has tree['x']: float32 tensor of shape {mine}; rank {other} has "
                     f"tree['x']: float32 tensor of shape {theirs}"
@@ -167,6 +175,9 @@ def _layouts(_):
         "expanded": (torch.arange(3.0) + rank).to(dev).expand(4, 3),
         "channels_last": base.to(memory_format=torch.channels_last).to(dev),
         "transposed": base[0, 0].to(dev).t(),
+        # (one element of stride 0, which torch counts as contiguous; alone
+        # in its dtype, as a segment of its own)
+        "one expanded": (torch.tensor(7) + rank).expand(1).to(dev),
     }
     return {
         "gather": {k: v.cpu() for k, v in xcoll.gather(tree).items()},
@@ -186,6 +197,7 @@ def test_expanded_channels_last_and_transposed_inputs(world):
         "expanded": [(torch.arange(3.0) + r).expand(4, 3) for r in range(w)],
         "channels_last": base,
         "transposed": [b[0, 0].t() for b in base],
+        "one expanded": [torch.tensor([7 + r]) for r in range(w)],
     }
     for out in pool.run(_layouts, [None] * w):
         for k, parts in want.items():

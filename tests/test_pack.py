@@ -152,3 +152,10 @@ def test_cat_bytes_copies_each_part_and_resolves_a_negative_view():
     assert torch.equal(out[16:].view(torch.int32), ints)
     out[16:].view(torch.int32).zero_()
     assert ints.tolist() == [7, -3]  # a copy, not a view of the part
+    # one element of stride 0 (an expanded 0-d tensor: the gradient of
+    # ``out.sum()`` where ``out`` has one element), which torch will not view
+    # as bytes, alone and negative
+    one = torch.tensor(2.5).expand(1)
+    for part, want in ((one, 2.5), (torch._neg_view(one), -2.5)):
+        out = _pack.cat_bytes([[part]], [4], [8])
+        assert torch.equal(out[:4].view(torch.float32), torch.tensor([want])), part

@@ -377,8 +377,15 @@ def cat_bytes(
         flat = torch._C._nn.flatten_dense_tensors(list(parts))
         try:
             seg = flat.view(torch.uint8)
-        except RuntimeError:  # (a view with torch's negative bit, which the cat would resolve)
-            seg = flat.resolve_neg().view(torch.uint8)
+        except RuntimeError:
+            # (a view with torch's negative bit, which the cat would resolve;
+            # or one element of a stride that is not 1, which torch counts as
+            # contiguous but will not view as bytes: an expanded 0-d tensor,
+            # as the gradient of ``out.sum()`` is where ``out`` has one element)
+            flat = flat.resolve_neg()
+            if flat.stride(0) != 1:
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            seg = flat.view(torch.uint8)
         pieces += [seg, seg.new_zeros(p - n)] if p > n else [seg]
     return torch.cat(pieces)
 
