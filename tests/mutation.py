@@ -75,19 +75,29 @@ MODULES: dict[str, list[str]] = {
             )
         ),
     ],
+    "xcoll/_guard/steps.py": ["xcoll._guard.steps.*"],
+    "xcoll/_core/ops/parts.py": ["xcoll._core.ops.parts.*"],
+    "xcoll/_core/ops/all_to_all.py": ["xcoll._core.ops.all_to_all.*"],
+    "xcoll/_core/grad.py": ["xcoll._core.grad.*"],
+    "xcoll/_core/call.py": ["xcoll._core.call.*"],
 }
 
 #: Test files whose tests exercise functions that mutmut cannot see them call,
 #: and those functions (patterns of mutmut's ``module.x_function`` names):
 #: functions that run on a pool's workers, and functions that run when their
 #: module is imported (mutmut would credit whichever test imported it first).
-GUARD = ["xcoll._guard.header.*", "xcoll._guard.verdict.*", "xcoll._guard.entry.*"]
+GUARD = ["xcoll._guard.header.*", "xcoll._guard.verdict.*", "xcoll._guard.entry.*", "xcoll._guard.steps.*"]
+#: What the collectives that address each replica its own part do at W > 1.
+PARTS = ["xcoll._core.ops.parts.*", "xcoll._core.ops.all_to_all.*"]
 OWNERS: dict[str, list[str]] = {
     "tests/test_kernels.py": ["xcoll._backends.xla_kernels.*"],
     "tests/test_guard.py": [*GUARD, "xcoll._guard.check.*"],
     # (header.own_size is cached: whichever test first asks for a size calls the rest)
     "tests/test_header.py": ["xcoll._guard.header.*"],
-    "tests/test_mismatch.py": [*GUARD, "xcoll._guard.check.*"],
+    "tests/test_mismatch.py": [*GUARD, "xcoll._guard.check.*", *PARTS],
+    "tests/test_properties.py": PARTS,
+    "tests/test_grad.py": [*PARTS, "xcoll._core.grad.*", "xcoll._core.call.*", "xcoll._guard.steps.*"],
+    "tests/test_in_flight.py": ["xcoll._core.grad.*", "xcoll._core.call.*", "xcoll._guard.steps.*"],
     "tests/test_out_of_step.py": [*GUARD, "xcoll._guard.check.*"],
     # (which calls are checked in full: "never" ones are not counted)
     "tests/test_check_state.py": ["xcoll._guard.check.x_due*"],

@@ -74,6 +74,62 @@ def test_gather_dim_out_of_range(dim, stack):
         xcoll.gather({"m": torch.ones(2, 2), "s": torch.ones(())}, dim=dim, stack=stack)
 
 
+def _cut(args):
+    name, tree, dim = args
+    return getattr(xcoll, name)(tree, dim=dim)
+
+
+#: Leaves that a reduce-scatter or an all-to-all cannot cut into W=2 parts,
+#: and the whole message each raises ({name}: the collective's).
+_UNCUT = [
+    (
+        {"x": torch.ones(4), "n": 3},
+        0,
+        "TypeError",
+        "tree['n']: a Python scalar has no dim to cut into the replicas' parts; {name} "
+        "takes tensor leaves (reduce or gather scalars with xcoll.reduce, xcoll.gather)",
+    ),
+    (
+        {"x": torch.ones(4), "z": torch.ones(())},
+        0,
+        "ValueError",
+        "tree['z']: a 0-d tensor has no dim to cut into the 2 replicas' parts; {name} "
+        "takes tensors of at least one dim",
+    ),
+    ({"x": torch.ones(4, 2)}, 2, "ValueError", "tree['x']: dim=2 is out of range for a leaf of shape (4, 2)"),
+    ({"x": torch.ones(4, 2)}, -3, "ValueError", "tree['x']: dim=-3 is out of range for a leaf of shape (4, 2)"),
+    (
+        {"a": torch.ones(2, 4), "x": torch.ones(4, 3)},
+        -1,
+        "ValueError",
+        "tree['x']: dim 1 of shape (4, 3) has 3 elements, which the 2 replicas cannot share equally",
+    ),
+]
+
+
+@pytest.mark.parametrize("name", ["reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("tree,dim,kind,message", _UNCUT)
+def test_leaves_that_cannot_be_cut_into_the_replicas_parts_are_named(name, tree, dim, kind, message):
+    pool = shared_pool("gloo-2")
+    failures = pool.run(_cut, [(name, tree, dim)] * 2, return_exceptions=True)
+    want = message.format(name=f"xcoll.{name}")
+    assert [(f.type_name, f.message) for f in failures] == [(f"builtins.{kind}", want)] * 2
+    # (a dim of -n is the first: allowed, as in torch)
+    out = pool.run(_cut, [(name, {"x": torch.arange(8.0).reshape(4, 2) + 10 * r}, -2) for r in range(2)])
+    halves = [torch.arange(8.0).reshape(4, 2)[2 * r : 2 * r + 2] for r in range(2)]
+    for r, got in enumerate(out):
+        expected = halves[r] * 2 + 10 if name == "reduce_scatter" else torch.cat([halves[r], halves[r] + 10])
+        assert torch.equal(got["x"], expected), (name, r, got)
+
+
+@pytest.mark.parametrize("name", ["gather", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("dim", [True, 1.0, "0", None])
+def test_a_dim_that_is_not_an_int_is_refused(name, dim):
+    with pytest.raises(TypeError) as e:
+        getattr(xcoll, name)({"x": torch.ones(2, 2)}, dim=dim)
+    assert str(e.value) == f"dim must be an int, got {dim!r}"
+
+
 def test_scalars_need_sync():
     with pytest.raises(ValueError, match=re.escape("tree['step']")):
         xcoll.reduce({"x": torch.ones(1), "step": 3}, sync=False)
