@@ -134,6 +134,19 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: durations.get(item.nodeid, float("inf")))
 
 
+def private_trampolines() -> None:
+    """Counts mutmut's trampolines (the wrapper through which each call of a
+    mutated function goes) as xcoll's own frames: a call's place
+    (:func:`xcoll._guard.steps.place`) is the first frame outside xcoll's
+    modules, known by their globals' ``__name__``, and would otherwise be the
+    trampoline's line, the same for every call. Run in every process of the
+    pass that imports ``tests`` (its pytest processes, and the pools' workers,
+    which import the test functions they run)."""
+    import mutmut.mutation.trampoline as trampoline
+
+    trampoline.__dict__["__name__"] = "xcoll._mutmut_trampoline"
+
+
 def _functions() -> set[str]:
     """Every mutated function, by mutmut's name (read from its ``.meta`` files,
     in ``mutants/``: the stats run's working directory)."""
