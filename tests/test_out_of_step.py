@@ -722,6 +722,14 @@ def _recovers_with_steps(_):
                     out.append(p.grad.cpu().tolist())
         except xcoll.CollectiveMismatchError:
             out.append("mismatch")
+    # and outside any step: the call that raised on one replica alone took no
+    # number there, so an untagged backward (named by its forward's number)
+    # pairs with the same call's on every replica
+    p = torch.tensor([float(rank + 1)]).to(dev).requires_grad_()
+    g = xcoll.gather({"p": p}, grad=True)["p"]
+    (g * g).sum().backward()
+    xcoll.sync()
+    out.append(p.grad.cpu().tolist())
     return out
 
 
@@ -731,4 +739,5 @@ def test_after_a_mismatch_in_a_step_later_steps_backwards_pair_again(world):
     w = pool.world_size
     for rank, out in enumerate(pool.run(_recovers_with_steps, [None] * w)):
         # d/dp of sum over replicas of sum(g*g) = 2 p * W (each replica's loss sees every p)
-        assert out == ["mismatch", [2.0 * (rank + 1) * w]], (rank, out)
+        grad = [2.0 * (rank + 1) * w]
+        assert out == ["mismatch", grad, grad], (rank, out)

@@ -84,6 +84,7 @@ class entered:
             if _check.due(t, mode) or (full and mode != "never"):
                 _check.verify(t, self.name, self.head, self.description, error, tag=tag)
             if error is not None:
+                _steps.uncount(t.group_key)  # (it communicated nothing)
                 raise error
         except BaseException as e:
             self.__exit__(type(e), e, None)

@@ -21,7 +21,8 @@ the call instead of its place.
 
 A differentiable call's backward carries its forward's :class:`Identity` (the
 forward's tag, or for an untagged forward its number among this thread's
-calls on its group), not the blocks open when the backward runs: a backward pairs only with the backward of
+calls on its group, which does not count a call that raised before
+communicating: :func:`uncount`), not the blocks open when the backward runs: a backward pairs only with the backward of
 the same forward call, whichever thread runs it.
 """
 
@@ -145,6 +146,16 @@ def tag(group_key: Hashable, explicit: Any = None) -> tuple[str, int]:
     if explicit is not None:
         parts.append(f"tag={check(explicit)}")
     return "; ".join(parts), number
+
+
+def uncount(group_key: Hashable) -> None:
+    """Takes back the number that :func:`tag` gave this thread's last call
+    on ``group_key``'s group: a call that raised before communicating
+    paired with no other replica's call, and a backward is named by its
+    forward's number, which must stay the same on every replica. (Its
+    step's count keeps it: the step's next call is named apart, so that a
+    replica whose call raised alone is found.)"""
+    _local.numbers[group_key] -= 1
 
 
 # The ids and lines of a place's frames -> its text, and the code objects
