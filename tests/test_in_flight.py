@@ -375,3 +375,21 @@ def test_the_gradient_through_a_call_in_flight_is_the_blocking_calls(gloo):
 def test_a_world_of_one_completes_at_once():
     out = xcoll.gather(torch.ones(2), sync=False)
     assert type(out) is torch.Tensor and not isinstance(out, PendingTensor)
+
+
+def _freed(_):
+    import gc
+    import weakref
+
+    out = xcoll.gather({"x": torch.ones(4)}, sync=False)["x"]
+    assert out.sum().item() == 4 * xcoll.world_size()  # (its first use completes it)
+    call = weakref.ref(out._call)
+    del out
+    gc.collect()
+    return call() is None
+
+
+def test_a_completed_call_is_freed_with_its_outputs(gloo):
+    # (kept as the group's latest call in flight, its outputs would live
+    # until the group's next call)
+    assert gloo.run(_freed, [None] * gloo.world_size) == [True] * gloo.world_size

@@ -84,14 +84,20 @@ def completed(call: Call) -> None:
         while c is not None and c.outputs is None and c.failed is None:
             chain.append(c)
             c = c.earlier
-        for c in reversed(chain):
-            c.earlier = None
-            try:
-                with _watchdog.watch(functools.partial(_waited, c.name)):
-                    c.outputs = c.complete()
-            except BaseException as e:
-                c.failed = f"{type(e).__name__}: {e}"
-                raise
+        try:
+            for c in reversed(chain):
+                c.earlier = None
+                try:
+                    with _watchdog.watch(functools.partial(_waited, c.name)):
+                        c.outputs = c.complete()
+                except BaseException as e:
+                    c.failed = f"{type(e).__name__}: {e}"
+                    raise
+        finally:
+            # (a completed call is no longer in flight: kept here, its outputs
+            # would live until the group's next call, whoever else holds them)
+            if _latest.get(call.group) is call:
+                del _latest[call.group]
 
 
 def sync(group: Hashable | None = None) -> None:
