@@ -741,3 +741,83 @@ def test_after_a_mismatch_in_a_step_later_steps_backwards_pair_again(world):
         # d/dp of sum over replicas of sum(g*g) = 2 p * W (each replica's loss sees every p)
         grad = [2.0 * (rank + 1) * w]
         assert out == ["mismatch", grad, grad], (rank, out)
+
+
+def _deep(n: int, x):
+    """A call made ``n`` frames below its caller (a user's recursive helper)."""
+    if n:
+        return _deep(n - 1, x)
+    return xcoll.reduce(x)
+
+
+def _tags_read_whole(_):
+    """Four mismatches (rank 0 against the others) whose tags the test reads
+    whole: nested blocks with a call's own tag=, a place more than 8 frames
+    deep, and tags whose text is 80 and 81 characters long."""
+    rank = xcoll.rank()
+    x = torch.ones(1).to(device())
+    texts = []
+
+    def mismatch(**kwargs):
+        try:
+            xcoll.reduce(x, **kwargs)
+        except xcoll.CollectiveMismatchError as e:
+            texts.append(str(e).rpartition("the first difference: ")[2])
+
+    with xcoll.step("eval"), xcoll.step(3):
+        xcoll.reduce(x)
+        mismatch(tag="a" if rank == 0 else "b")
+    with xcoll.step(0):
+        try:
+            _deep(10 if rank == 0 else 0, x)  # (the line the test names)
+        except xcoll.CollectiveMismatchError as e:
+            texts.append(str(e).rpartition("the first difference: ")[2])
+    for n in (78, 79):  # (a tag's text is its repr: n + 2 characters)
+        mismatch(tag=("t" if rank == 0 else "u") * n)
+    return texts
+
+
+def test_a_calls_tag_is_read_whole_in_messages():
+    """A tag's exact text: the blocks outermost first, the call's number in
+    the innermost, its own tag=; a place of 8 frames at most, innermost
+    first, up to the block's own line; a text of 80 characters kept whole,
+    a longer one cut to 56 and the whole's hash."""
+    import hashlib
+    import inspect
+
+    line = _deep.__code__.co_firstlineno
+    call, recurse = f"test_out_of_step.py:{line + 4} in _deep", f"test_out_of_step.py:{line + 3} in _deep"
+    deep = " <- ".join([call] + [recurse] * 7)
+    lines, first = inspect.getsourcelines(_tags_read_whole)
+    (k,) = [k for k, text in enumerate(lines) if "(the line the test names)" in text]
+    shallow = f"{call} <- test_out_of_step.py:{first + k} in _tags_read_whole"
+
+    def cut(text):
+        return f"{text[:56]}... (sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]})"
+
+    for rank, texts in enumerate(shared_pool("gloo-2").run(_tags_read_whole, [None] * 2)):
+        if rank == 0:
+            mine, theirs = ("t", "a", deep), ("u", "b", shallow)
+        else:
+            mine, theirs = ("u", "b", shallow), ("t", "a", deep)
+        pair = f"this replica (rank {rank}) has tag: {{}}; rank {1 - rank} has tag: {{}}".format
+        assert texts == [
+            pair(f"step 'eval'/3, call 1; tag='{mine[1]}'", f"step 'eval'/3, call 1; tag='{theirs[1]}'"),
+            pair(f"step 0, call 0 at {mine[2]}", f"step 0, call 0 at {theirs[2]}"),
+            pair(f"tag='{mine[0] * 78}'", f"tag='{theirs[0] * 78}'"),
+            pair(f"tag={cut(repr(mine[0] * 79))}", f"tag={cut(repr(theirs[0] * 79))}"),
+        ], texts
+
+
+@pytest.mark.parametrize("tag", [True, 1.0, None, b"x"])
+def test_a_step_tag_that_is_not_a_str_or_int_is_refused(tag):
+    # (a bool is an int to Python, but True and 1 would name one step)
+    with pytest.raises(TypeError, match=f"a step or call tag must be a str or an int, got {type(tag).__name__}"):
+        xcoll.step(tag)
+
+
+def test_a_long_tag_with_a_lone_surrogate_is_accepted():
+    # (a file name that os.fsdecode could not decode; its repr escapes the surrogate)
+    tag = "run-\udcff" * 20
+    with xcoll.step(tag):
+        assert xcoll.reduce(torch.ones(1), tag=tag).tolist() == [1.0]

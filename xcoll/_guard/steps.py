@@ -74,7 +74,8 @@ def check(tag: Any) -> str:
     text = repr(tag)
     if len(text) <= LONGEST:
         return text
-    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    # (a repr escapes what UTF-8 cannot encode, a lone surrogate among them)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return f"{text[: LONGEST - 24]}... (sha256 {digest})"
 
 
