@@ -26,6 +26,7 @@ CELLS = (
     "broadcast, 1 leaf",
     "reduce, 3-leaf metrics",
     "gather grad=True, 1 leaf",
+    "reduce in a step, 1 leaf",
     "plain",
 )
 
@@ -43,9 +44,16 @@ def _calls(dev: torch.device, plain: Callable[[torch.Tensor], Any]) -> dict[str,
         lambda: xcoll.broadcast(one, src=0),
         lambda: xcoll.reduce(metrics),
         lambda: xcoll.gather(x, grad=True),
+        lambda: _in_a_step(one),
         lambda: plain(one),
     )
     return dict(zip(CELLS, calls, strict=True))
+
+
+def _in_a_step(one: torch.Tensor) -> Any:
+    """A reduce tagged by its step block: its place is read each call."""
+    with xcoll.step("eval"):
+        return xcoll.reduce(one)
 
 
 def _plain_xla(one: torch.Tensor) -> Any:

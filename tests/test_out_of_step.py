@@ -821,3 +821,92 @@ def test_a_long_tag_with_a_lone_surrogate_is_accepted():
     tag = "run-\udcff" * 20
     with xcoll.step(tag):
         assert xcoll.reduce(torch.ones(1), tag=tag).tolist() == [1.0]
+
+
+#: A user's helper module, compiled twice under two file names (two copies
+#: of one script): the same lines in two code objects.
+_HELPERS = '''
+class Metrics:
+    def log(self, first, x):
+        if first:
+            return xcoll.reduce(x)
+        return xcoll.reduce(x)
+'''
+
+
+def _helpers(name: str):
+    namespace = {"xcoll": xcoll, "__name__": name}
+    exec(compile(_HELPERS, f"{name}.py", "exec"), namespace)
+    return namespace["Metrics"]()
+
+
+def _places_met_again(_):
+    """Each step's one call, made from one line of this loop through a
+    helper method: step 0 the same on every replica; step 1 rank 0's from
+    the helper's other line; step 2 rank 0's from the other copy of the
+    helper, at the same lines. Returns each step's outcome."""
+    rank = xcoll.rank()
+    x = torch.ones(1).to(device())
+    a, b = _helpers("helpers_a"), _helpers("helpers_b")
+    calls = [(a, True), (a, rank != 0), (b if rank == 0 else a, True)]
+    out = []
+    for i, (helper, first) in enumerate(calls):
+        try:
+            with xcoll.step(i):
+                helper.log(first, x)
+            out.append("ok")
+        except xcoll.CollectiveMismatchError as e:
+            out.append(str(e).rpartition("the first difference: ")[2])
+    return out
+
+
+def test_a_place_met_again_from_other_lines_or_another_file_is_told_apart():
+    """A call's place is known again by every frame's code and line, not
+    by the frame that opened the step alone, nor by the lines alone; each
+    frame named by its qualified name."""
+    line = 5  # (the first return in _HELPERS, its 5th line)
+    for rank, out in enumerate(shared_pool("gloo-2").run(_places_met_again, [None] * 2)):
+        assert out[0] == "ok", (rank, out)
+        first, other = f"helpers_a.py:{line} in Metrics.log", f"helpers_a.py:{line + 1} in Metrics.log"
+        copy = f"helpers_b.py:{line} in Metrics.log"
+        for i, (mine, theirs) in enumerate([(other, first), (copy, first)], start=1):
+            if rank:
+                mine, theirs = theirs, mine
+            assert re.fullmatch(
+                rf"this replica \(rank {rank}\) has tag: step {i}, call 0 at {re.escape(mine)} <- "
+                rf"test_out_of_step\.py:\d+ in _places_met_again; rank {1 - rank} has tag: "
+                rf"step {i}, call 0 at {re.escape(theirs)} <- test_out_of_step\.py:\d+ in _places_met_again",
+                out[i],
+            ), (rank, out[i])
+
+
+def _numbered_backwards(_):
+    """In a new thread (whose calls are numbered from 0): a reduce, then
+    two differentiable gathers of one signature, and each replica's loss
+    through a different one (rank 0's through the first)."""
+    rank = xcoll.rank()
+    out = []
+
+    def run():
+        x = torch.ones(2).requires_grad_()
+        xcoll.reduce(x)
+        a = xcoll.gather({"x": x}, grad=True)["x"]
+        b = xcoll.gather({"x": x}, grad=True)["x"]
+        try:
+            (a if rank == 0 else b).sum().backward()
+        except xcoll.CollectiveMismatchError as e:
+            out.append(str(e))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return out
+
+
+def test_an_untagged_backward_is_named_by_its_forwards_number_in_its_thread():
+    mine = {0: "backward of call 1", 1: "backward of call 2"}
+    for rank, out in enumerate(shared_pool("gloo-2").run(_numbered_backwards, [None] * 2)):
+        assert out == [
+            f"xcoll.gather backward: replicas made different calls; the first difference: "
+            f"this replica (rank {rank}) has tag: {mine[rank]}; rank {1 - rank} has tag: {mine[1 - rank]}"
+        ], (rank, out)
