@@ -118,7 +118,7 @@ class step:
     def __enter__(self) -> None:
         blocks = _local.__dict__.setdefault("blocks", [])
         prefix = f"{blocks[-1].prefix}/{self.label}" if blocks else f"step {self.label}"
-        blocks.append(_Block(prefix, sys._getframe(1)))
+        blocks.append(_Block(prefix, _outside(sys._getframe(1))))
 
     def __exit__(self, *exc: object) -> None:
         _local.blocks.pop()
@@ -171,9 +171,7 @@ def place(stop: FrameType | None) -> str:
     """Where the program made the call now being entered: the frames from
     the first outside xcoll's own modules up to ``stop`` (or :data:`DEPTH`
     frames), innermost first."""
-    f: FrameType | None = sys._getframe(1)
-    while f is not None and f.f_globals.get("__name__", "").startswith(_PRIVATE):
-        f = f.f_back
+    f = _outside(sys._getframe(1))
     frames: list[FrameType] = []
     key: list[int] = []
     while f is not None and len(frames) < DEPTH:
@@ -190,6 +188,16 @@ def place(stop: FrameType | None) -> str:
     text = " <- ".join(_named(f.f_code, f.f_lineno) for f in frames)
     _places[tuple(key)] = (text, tuple(f.f_code for f in frames))
     return text
+
+
+def _outside(f: FrameType | None) -> FrameType | None:
+    """``f``, or the first frame above it outside xcoll's own modules (known
+    by their globals' ``__name__``: a block's ``with`` line is its opener's
+    caller's, whatever xcoll code, or a wrapper counted as xcoll's, runs
+    between)."""
+    while f is not None and f.f_globals.get("__name__", "").startswith(_PRIVATE):
+        f = f.f_back
+    return f
 
 
 def _named(code: CodeType, line: int) -> str:
