@@ -251,3 +251,19 @@ def test_each_call_flattens_its_tree_once_and_resolves_its_backend_once(monkeypa
         call(tree)
     assert counter.count == 2
     assert len(resolved) == 2
+
+
+def test_the_mutation_pass_names_modules_and_test_files_that_exist():
+    """tests/mutation.py's module list is mutmut's (pyproject.toml's
+    ``only_mutate``), in its order, and true to the tree as files move; each
+    test file it credits with calls that mutmut cannot see is in the pass's
+    selection."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib: Python 3.11 and later")
+    from tests.mutation import MODULES, OWNERS
+
+    top = ROOT.parent
+    config = tomllib.loads((top / "pyproject.toml").read_text())["tool"]["mutmut"]
+    assert list(MODULES) == config["only_mutate"]
+    assert [m for m in MODULES if not (top / m).is_file()] == []
+    selection = config["pytest_add_cli_args_test_selection"]
+    assert [f for f in OWNERS if f not in selection or not (top / f).is_file()] == []
