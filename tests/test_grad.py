@@ -460,6 +460,41 @@ def test_the_gradient_of_a_plain_sum_of_one_element_outputs(world, name):
     assert shared_pool(world).run(_plain_sum, [name] * w) == want
 
 
+def _on_sub_groups(name):
+    """``name``'s gradients through a sub-group of the world: at W = 2 each
+    replica's own (a world of one), at W = 4 the pairs {0, 1} and {2, 3}.
+    Each replica's loss is ``(rank + 1) * out.sum()``. Returns (the group's
+    global ranks, this replica's input gradient)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size = 1 if world == 2 else 2
+    starts = range(0, world, size)
+    groups = [dist.new_group(list(range(s, s + size))) for s in starts]  # (every rank makes each)
+    members = list(range(rank - rank % size, rank - rank % size + size))
+    x = torch.arange(2.0 * size).add(10 * rank).requires_grad_()
+    out = getattr(xcoll, name)(x, grad=True, group=groups[rank // size])
+    ((rank + 1) * out.sum()).backward()
+    dist.destroy_process_group(groups[rank // size])
+    return members, x.grad.tolist()
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+@pytest.mark.parametrize("name", ["gather", "reduce", "reduce_scatter", "all_to_all"])
+def test_gradients_through_a_sub_group_stay_in_the_group(world, name):
+    # the total loss over the group's replicas: a gather's or reduce's input
+    # is in each of their losses; element k of a part-cut input is in the
+    # loss of the replica that its part k // (n / G) goes to
+    pool = shared_pool(world)
+    for members, grad in pool.run(_on_sub_groups, [name] * pool.world_size):
+        n, g = 2 * len(members), len(members)
+        if name in ("gather", "reduce"):
+            want = [float(sum(r + 1 for r in members))] * n
+        else:
+            want = [float(members[k // (n // g)] + 1) for k in range(n)]
+        assert grad == want, (name, members, grad, want)
+
+
 def _second_derivative(name):
     dev = device()
     rank = xcoll.rank()
