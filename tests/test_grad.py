@@ -435,6 +435,38 @@ def test_a_backward_that_differs_raises_on_every_replica(world, name, sync):
         assert len(set(re.findall(r"tag: backward of call (\d+)", text))) == 2, text
 
 
+def _tagged_backwards(_):
+    """As :func:`_two_backwards`, with gathers tagged "first" and "second"
+    (the same tags on every replica): each backward is named by its
+    forward's tag; and a differentiable call whose tags differ."""
+    dev = device()
+    x = torch.ones(2).to(dev).requires_grad_()
+    first = xcoll.gather(x, grad=True, tag="first")
+    second = xcoll.gather(x, grad=True, tag="second")
+    out = []
+    try:
+        (first if xcoll.rank() == 0 else second).sum().backward()
+        xcoll.sync()
+    except xcoll.CollectiveMismatchError as e:
+        out.append(str(e).rpartition("the first difference: ")[2])
+    try:
+        xcoll.gather(x, grad=True, tag=f"rank {xcoll.rank()}")
+    except xcoll.CollectiveMismatchError as e:
+        out.append(str(e).rpartition("the first difference: ")[2])
+    return out
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_a_tagged_differentiable_call_and_its_backward_are_named_by_its_tag(world):
+    for rank, out in enumerate(shared_pool(world).run(_tagged_backwards, [None] * 2)):
+        mine, theirs = ("first", "second") if rank == 0 else ("second", "first")
+        assert out == [
+            f"this replica (rank {rank}) has tag: backward of tag='{mine}'; "
+            f"rank {1 - rank} has tag: backward of tag='{theirs}'",
+            f"this replica (rank {rank}) has tag: tag='rank {rank}'; rank {1 - rank} has tag: tag='rank {1 - rank}'",
+        ], (rank, out)
+
+
 def _plain_sum(name):
     """The gradient of ``out.sum()`` (a stride-0 gradient: the expanded 1 of
     the sum) through ``name``, whose output or parts have one element."""
