@@ -505,6 +505,7 @@ def _on_sub_groups(name):
     groups = [dist.new_group(list(range(s, s + size))) for s in starts]  # (every rank makes each)
     members = list(range(rank - rank % size, rank - rank % size + size))
     x = torch.arange(2.0 * size).add(10 * rank).requires_grad_()
+    getattr(xcoll, name)(x.detach())  # (the same tree on the world first: another plan)
     out = getattr(xcoll, name)(x, grad=True, group=groups[rank // size])
     ((rank + 1) * out.sum()).backward()
     dist.destroy_process_group(groups[rank // size])
