@@ -72,7 +72,7 @@ def prepare(op: Op, tree: Any, group: Any, sync: bool, to_cpu: bool) -> Prepared
 
 
 def called(
-    op: Op, p: Prepared, *, sync: bool = True, to_cpu: bool = False, tag: Any = None
+    op: Op, p: Prepared, *, sync: bool, to_cpu: bool, tag: Any
 ) -> tuple[Any, Any, _header.Signature | None]:
     """The call ``p`` was prepared for: its output tree, what a backward
     needs of it (:meth:`xcoll._core.ops.Op.apply`), and its guard's signature (whose tag and
