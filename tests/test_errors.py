@@ -169,6 +169,42 @@ def _ok():
     return xcoll.gather(xcoll.rank())[xcoll.rank()]
 
 
+def _bad_leaf_on_a_sub_group(_):
+    """Rank 0's tree has a leaf that is not a tensor, in a gather on its
+    sub-group (its own at W = 2, the pair {0, 1} at W = 4); every other
+    replica's is good. Returns the outcome, then a gather on the world."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size = 1 if world == 2 else 2
+    groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+    group = groups[rank // size]
+    tree = {"x": torch.tensor([float(rank)]), "y": "nope" if rank == 0 else 1}
+    try:
+        got = ("ok", xcoll.gather(tree, group=group)["x"].tolist())
+    except (TypeError, xcoll.CollectiveMismatchError) as e:
+        got = (type(e).__name__, str(e))
+    dist.destroy_process_group(group)
+    return got, xcoll.gather(torch.tensor([rank])).tolist()
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+def test_an_error_on_a_sub_group_is_shared_on_that_group_alone(world):
+    pool = shared_pool(world)
+    w = pool.world_size
+    results = pool.run(_bad_leaf_on_a_sub_group, [None] * w)
+    (kind, text), _ = results[0]
+    assert kind == "TypeError" and "tree['y']" in text, text
+    for rank, ((kind, got), after) in enumerate(results):
+        assert after == list(range(w)), (rank, after)  # (the world's next call)
+        if rank == 1 and w == 4:  # rank 0's partner: told of its error
+            assert kind == "CollectiveMismatchError", (rank, kind, got)
+            assert "rank 0 of the group (global rank 0) raised before communicating (TypeError: tree['y']" in got, got
+        elif rank:
+            pair = [float(r) for r in range(rank - rank % (w // 2), rank - rank % (w // 2) + w // 2)]
+            assert (kind, got) == ("ok", pair if w == 4 else [float(rank)]), (rank, kind, got)
+
+
 class _Factory:
     """A defaultdict factory that cannot be hashed (it defines __eq__ only), so
     neither can the tree's treespec: such a tree is checked and planned on every
