@@ -59,6 +59,22 @@ def test_every_generator_draws_what_src_draws(pool):
             assert torch.equal(torch.as_tensor(r[k]), torch.as_tensor(results[0][k])), k
 
 
+@pytest.mark.parametrize("setting", ["XLA_USE_32BIT_LONG", "XLA_USE_BF16"])
+def test_states_cross_the_dtypes_an_xla_setting_narrows(setting):
+    """torch_xla's settings that keep int64 as int32 or floats as bfloat16
+    would change a state in transit (Python's and NumPy's hold int64 and
+    float64 values): the states travel as their bytes."""
+    pytest.importorskip("torch_xla")
+    from xcoll.testing import XlaPool
+
+    with XlaPool(2, env={setting: "1"}) as pool:
+        results = pool.run(_sync_then_draw, [1, 1])
+    want = torch.rand(3, generator=torch.Generator().manual_seed(101))
+    assert all(torch.equal(r["generator"], want) for r in results), results
+    assert results[0]["xla seed"] == results[1]["xla seed"]
+    assert torch.equal(results[0]["xla"], results[1]["xla"])
+
+
 def _sync(_):
     xcoll.sync_rng_state()
 
