@@ -331,3 +331,20 @@ def test_barrier_passes_with_one_tag_and_names_different_ones(pool):
         assert f.type_name == "builtins.ValueError"
         assert f"rank {w - 1}: 'epoch-2'" in f.message and "rank 0: 'epoch-1'" in f.message
     assert pool.run(_barrier, [["again"] * w] * w) == ["passed"] * w
+
+
+def _objects_each_way(_):
+    r = xcoll.rank()
+    return xcoll.gather_object({"rank": r}), xcoll.broadcast_object({"big": 2**40 + r}, src=1)
+
+
+def test_objects_cross_an_xla_setting_that_narrows_int64():
+    """torch_xla's XLA_USE_32BIT_LONG keeps int64 as int32 on the device:
+    an object's size travels as its bytes (broadcast_object raised TypeError
+    naming a tree the caller never passed)."""
+    pytest.importorskip("torch_xla")
+    from xcoll.testing import XlaPool
+
+    with XlaPool(2, env={"XLA_USE_32BIT_LONG": "1"}) as pool:
+        results = pool.run(_objects_each_way, [None, None])
+    assert results == [([{"rank": 0}, {"rank": 1}], {"big": 2**40 + 1})] * 2

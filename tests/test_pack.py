@@ -4,6 +4,7 @@ bucket's buffer, and where each bucket lies in a move's one buffer."""
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import example, given, settings
 
@@ -159,3 +160,29 @@ def test_cat_bytes_copies_each_part_and_resolves_a_negative_view():
     for part, want in ((one, 2.5), (torch._neg_view(one), -2.5)):
         out = _pack.cat_bytes([[part]], [4], [8])
         assert torch.equal(out[:4].view(torch.float32), torch.tensor([want])), part
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        True,
+        -(2**63),
+        2**40 + 3,
+        -0.0,
+        float("nan"),
+        torch.tensor(7),
+        torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        torch.tensor([True, False]),
+    ],
+)
+def test_a_leaf_round_trips_through_its_bytes_bit_for_bit(leaf):
+    data = _pack.leaf_bytes(leaf)
+    assert data.dtype == torch.uint8 and data.dim() == 1
+    # (arriving at an odd offset of a larger buffer, as a collective's output does)
+    got = _pack.from_leaf_bytes(torch.cat([torch.zeros(3, dtype=torch.uint8), data])[3:], leaf)
+    if isinstance(leaf, torch.Tensor):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), leaf.reshape(-1).view(torch.uint8))
+    else:
+        assert type(got) is type(leaf) and repr(got) == repr(leaf)  # (-0.0 and nan too)

@@ -132,7 +132,10 @@ def broadcast_object(
         # (a receiver's one-sided verdict, gloo's: src goes on to send its
         # data, so this replica receives it before raising)
         op = _ops.Broadcast(src)
-        size, agree = _call.outcome(op, size, transport, signature=signature)
+        # (the size as its bytes: an int64 that XLA_USE_32BIT_LONG would narrow)
+        sent = transport.upload(_pack.leaf_bytes(size))
+        got, agree = _call.outcome(op, sent, transport, to_cpu=True, signature=signature)
+        size = _pack.from_leaf_bytes(got, size)
         if size < 0:
             _raise_for([src], error, "broadcast_object")
         buf = transport.upload(_exchange.bytes_tensor(data or b"", _pack.size_bucket(size)))

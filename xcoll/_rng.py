@@ -25,9 +25,9 @@ import torch
 
 from . import _backends
 from ._backends.base import Transport
-from ._base import tree as _tree
 from ._core import call as _call
 from ._core import ops as _ops
+from ._encode import pack as _pack
 from ._guard import check as _check
 from ._guard import entry as _entry
 from ._guard import header as _header
@@ -257,27 +257,9 @@ def _sync(
     # (Nothing pending: no execution.)
     transport.sync()
     mine, spec = optree.tree_flatten(cast(Any, rng_state(generators)))
-    sent = optree.tree_unflatten(spec, [transport.upload(_as_bytes(x)) for x in mine])
+    sent = optree.tree_unflatten(spec, [transport.upload(_pack.leaf_bytes(x)) for x in mine])
     synced = _call.run(_ops.Broadcast(src), sent, transport, signature=signature)
     got = transport.to_host(optree.tree_leaves(synced))
-    state = optree.tree_unflatten(spec, list(map(_from_bytes, got, mine)))
+    state = optree.tree_unflatten(spec, list(map(_pack.from_leaf_bytes, got, mine)))
     set_rng_state(cast(dict[str, Any], state), generators)
 
-
-def _as_bytes(leaf: Any) -> torch.Tensor:
-    """A state's leaf (a tensor or a Python scalar) as its bytes, 1-d uint8:
-    what no device keeps narrower, so the states travel whole under the XLA
-    settings that narrow a dtype (XLA_USE_32BIT_LONG keeps int64 as int32,
-    XLA_USE_BF16 floats as bfloat16; a TPU float64 as float32)."""
-    t = leaf if isinstance(leaf, torch.Tensor) else torch.tensor(leaf, dtype=_tree.scalar_dtype(leaf))
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _from_bytes(data: torch.Tensor, like: Any) -> Any:
-    """:func:`_as_bytes`' inverse: ``data`` (host bytes) as a leaf like ``like``."""
-    # (its own storage: a view into the collective's buffer may start at an
-    # offset that the wider dtype cannot view)
-    data = data.clone()
-    if isinstance(like, torch.Tensor):
-        return data.view(like.dtype).reshape(like.shape)
-    return _tree.to_python(data.view(_tree.scalar_dtype(like)).reshape(()), like)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .._base import tree as _tree
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -463,3 +465,23 @@ def int_value(parts: Sequence[int], how: str) -> int | None:
     if not bound:
         return None
     return product % _WRAP if sign > 0 else -(-product % _WRAP)
+
+
+def leaf_bytes(leaf: torch.Tensor | bool | int | float) -> torch.Tensor:
+    """A tensor or Python scalar as its bytes, 1-d uint8 (a scalar as those
+    of the dtype it travels as: :func:`xcoll._base.tree.scalar_dtype`).
+    No device keeps uint8 narrower, so a value sent so arrives whole under
+    the XLA settings that narrow a dtype (``XLA_USE_32BIT_LONG`` keeps int64
+    as int32, ``XLA_USE_BF16`` floats as bfloat16; a TPU, float64 as float32)."""
+    t = leaf if isinstance(leaf, torch.Tensor) else torch.tensor(leaf, dtype=_tree.scalar_dtype(leaf))
+    return t.reshape(-1).view(torch.uint8)
+
+
+def from_leaf_bytes(data: torch.Tensor, like: Any) -> Any:
+    """:func:`leaf_bytes`' inverse: ``data`` (host bytes) as a leaf like ``like``."""
+    # (its own storage: a view into a collective's buffer may start at an
+    # offset that the wider dtype cannot view)
+    data = data.clone()
+    if isinstance(like, torch.Tensor):
+        return data.view(like.dtype).reshape(like.shape)
+    return _tree.to_python(data.view(_tree.scalar_dtype(like)).reshape(()), like)
