@@ -117,7 +117,7 @@ OWNERS: dict[str, list[str]] = {
     "tests/test_guard.py": [*GUARD, "xcoll._guard.check.*", *CORE],
     # (header.own_size is cached: whichever test first asks for a size calls the rest)
     "tests/test_header.py": ["xcoll._guard.header.*"],
-    "tests/test_mismatch.py": [*GUARD, "xcoll._guard.check.*", *PARTS, *CORE],
+    "tests/test_mismatch.py": [*GUARD, "xcoll._guard.check.*", *PARTS, *CORE, "xcoll._core.call.*"],
     "tests/test_properties.py": [*PARTS, *CORE, *UNEVEN],
     "tests/test_grad.py": [
         *PARTS, *CORE, *UNEVEN, "xcoll._core.grad.*", "xcoll._core.call.*", "xcoll._guard.steps.*"
@@ -125,14 +125,16 @@ OWNERS: dict[str, list[str]] = {
     "tests/test_in_flight.py": [
         *CORE, "xcoll._core.pending.*", "xcoll._core.grad.*", "xcoll._core.call.*", "xcoll._guard.steps.*"
     ],
-    "tests/test_objects.py": [*CORE, "xcoll._objects.*"],
-    "tests/test_rng.py": [*CORE, "xcoll._rng.*"],
+    # (call.run and call.outcome: the calls that objects, RNG states and an
+    # uneven gather make on the trees they build)
+    "tests/test_objects.py": [*CORE, "xcoll._objects.*", "xcoll._core.call.*"],
+    "tests/test_rng.py": [*CORE, "xcoll._rng.*", "xcoll._core.call.*"],
     "tests/test_dist.py": CORE,
     "tests/test_out_of_step.py": [*GUARD, "xcoll._guard.check.*"],
     # (which calls are checked in full: "never" ones are not counted)
     "tests/test_check_state.py": ["xcoll._guard.check.x_due*"],
     # (an uneven leaf's growing dim, "*" in its description line)
-    "tests/test_uneven.py": ["xcoll._guard.check.x_describe*", *CORE, *UNEVEN],
+    "tests/test_uneven.py": ["xcoll._guard.check.x_describe*", *CORE, *UNEVEN, "xcoll._core.call.*"],
     "tests/test_wire.py": ["xcoll._encode.wire.x__nan_bits"],  # (xcoll._encode.wire.WINNING_NAN)
 }
 

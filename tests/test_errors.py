@@ -334,6 +334,9 @@ def test_a_launched_process_without_a_process_group_raises(monkeypatch, variable
         with pytest.raises(RuntimeError, match="torch.distributed.init_process_group") as e:
             call()
         assert named in str(e.value), (name, e.value)
+    # a bad tree: its own error first (the next good call names the missing group)
+    with pytest.raises(TypeError, match=re.escape("tree['bad']: unsupported leaf of type str")):
+        xcoll.gather({"x": torch.ones(1), "bad": "nope"})
     monkeypatch.setenv(variable, "1")  # what the environment says, a world of one
     assert xcoll.gather({"x": torch.ones(1)})["x"].tolist() == [1.0]
     assert xcoll.world_size() == 1

@@ -75,6 +75,37 @@ def test_states_cross_the_dtypes_an_xla_setting_narrows(setting):
     assert torch.equal(results[0]["xla"], results[1]["xla"])
 
 
+def _later_tags_differ(_):
+    """A group's first call (checked in full), then a sync whose tags
+    differ: only the guard's header can tell."""
+    xcoll.reduce(torch.ones(1).to(device()))
+    try:
+        xcoll.sync_rng_state(tag="a" if xcoll.rank() == 0 else "b")
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_a_later_sync_whose_tags_differ_raises(world):
+    # gloo's broadcast is a star from src, which learns nothing: the
+    # receivers raise, src keeps its own states (docs/reliability.md)
+    first, second = shared_pool(world).run(_later_tags_differ, [None, None])
+    if world.startswith("gloo"):
+        assert first == "no error"
+        assert second == (
+            "xcoll.sync_rng_state: this replica's call (rank 1: tag: tag='b'; parameters: src=0 "
+            "generators=0; no leaves) differs from the call of src, rank 0; run with "
+            "XCOLL_CHECK=always to name the difference"
+        ), second
+        return
+    for rank, (mine, theirs), text in [(0, "ab", first), (1, "ba", second)]:
+        assert text == (
+            "xcoll.sync_rng_state: replicas made different calls; the first difference: this "
+            f"replica (rank {rank}) has tag: tag='{mine}'; rank {1 - rank} has tag: tag='{theirs}'"
+        ), text
+
+
 def _sync(_):
     xcoll.sync_rng_state()
 

@@ -113,8 +113,8 @@ def outcome(
     tree: Any,
     transport: Transport,
     *,
-    to_cpu: bool = False,
-    signature: _header.Signature | None = None,
+    to_cpu: bool,
+    signature: _header.Signature | None,
 ) -> tuple[Any, bool]:
     """As :func:`run`, and the verdict instead of its error where the verdict
     is one-sided (a receiver of gloo's broadcast: see
