@@ -390,3 +390,20 @@ def test_calls_without_tensor_leaves_in_a_row(max_size):
     # (XLA aborted about one run of 4 such calls in 3 at W=2)
     pool = shared_pool("xla-cpu-2")
     assert pool.run(_no_tensor_leaves, [max_size] * 2) == [[[0, 1]] * 12] * 2
+
+
+def _uneven_each_way(_):
+    x = torch.arange(xcoll.rank() + 1.0).to(device())
+    return [to_cpu(xcoll.gather(x, uneven=True, **kw)).tolist() for kw in ({}, {"max_size": 4})]
+
+
+def test_an_uneven_gather_crosses_an_xla_setting_that_narrows_int64():
+    """torch_xla's XLA_USE_32BIT_LONG keeps int64 as int32 on the device:
+    the replicas' shapes travel as their bytes (the call raised TypeError
+    naming a tree['shapes'] that the caller never passed)."""
+    pytest.importorskip("torch_xla")
+    from xcoll.testing import XlaPool
+
+    with XlaPool(2, env={"XLA_USE_32BIT_LONG": "1"}) as pool:
+        results = pool.run(_uneven_each_way, [None, None])
+    assert results == [[[0.0, 0.0, 1.0]] * 2] * 2

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._backends.base import Transport
 from ..._encode import pack as _pack
 from ..._guard import check as _check
 from .. import call as _call
@@ -96,9 +97,9 @@ class UnevenGather(_ops.Op):
             )
         else:
             # (the scalars travel with the shapes: that gather carries the guard)
-            exchange = {"shapes": transport.upload(rows.shapes(local)), "scalars": scalars}
+            exchange = {"shapes": _bytes(transport, rows.shapes(local)), "scalars": scalars}
             got = _call.run(_STACKED, exchange, transport, to_cpu=True, signature=signature)
-            sizes = rows.sizes(flat, got["shapes"])
+            sizes = rows.sizes(flat, _int64_rows(got["shapes"]))
             scalars = got["scalars"]
             if not transport.lazy:
                 data = exact(rows, host, sizes, transport, to_cpu)
@@ -160,15 +161,16 @@ class UnevenGather(_ops.Op):
         while True:  # (at most twice)
             shapes = torch.cat([rows.shapes(local), torch.tensor([need])])  # (one upload)
             payload = {
-                "shapes": transport.upload(shapes),
+                "shapes": _bytes(transport, shapes),
                 "scalars": scalars,
                 "data": packed(transport, rows, host, local, size, room),
             }
             got = _call.run(_STACKED, payload, transport, to_cpu=True, signature=signature)
             # (the checks that are left with XCOLL_CHECK=never: under the guard
             # the replicas' descriptions agreed, and so do their needs)
-            sizes = rows.sizes(flat, got["shapes"][:, :-1])
-            _check_needs(got["shapes"][:, -1].tolist())
+            every = _int64_rows(got["shapes"])
+            sizes = rows.sizes(flat, every[:, :-1])
+            _check_needs(every[:, -1].tolist())
             _check_max_size(flat, rows, sizes, size)
             if need <= room:
                 return unpack(rows, got["data"], sizes, size), got["scalars"], sizes
@@ -219,3 +221,16 @@ def _check_max_size(flat, rows: Rows, sizes: torch.Tensor, max_size: int) -> Non
             f"{flat.path(rows.idx[j])}: rank {r} has size {int(sizes[r, j])} along dim "
             f"{rows.dims[j]}, more than max_size={max_size}"
         )
+
+
+def _bytes(transport: Transport, shapes: torch.Tensor) -> torch.Tensor:
+    """A replica's shape row (int64) uploaded as its bytes: what no device
+    keeps narrower (``XLA_USE_32BIT_LONG`` keeps int64 as int32)."""
+    return transport.upload(_pack.leaf_bytes(shapes))
+
+
+def _int64_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Every replica's shape row, from the gathered rows of their bytes."""
+    # (a copy of standard strides: a gathered row may be a view whose strides
+    # the wider dtype cannot view, a single row's among them)
+    return rows.flatten().clone().view(torch.int64).reshape(rows.shape[0], rows.shape[1] // 8)
