@@ -284,33 +284,39 @@ def test_a_replica_that_skips_the_call_is_an_error_within_bounds(engine):
         assert pool.run(_ok, [None] * 4) == [list(range(4))] * 4
 
 
-def _parameters_differ(which):
-    """A later call (header-guarded) made with ``sync=`` or ``to_cpu=``
-    True on rank 0 only."""
+def _parameters_differ(args):
+    """A later call (header-guarded) of ``name`` made with ``sync=`` or
+    ``to_cpu=`` True on rank 0 only."""
+    name, which = args
     x = torch.ones(2)
     xcoll.reduce(x)
     try:
-        xcoll.gather(x, **{which: xcoll.rank() == 0})
+        getattr(xcoll, name)(x, **{which: xcoll.rank() == 0})
         xcoll.sync()
     except xcoll.CollectiveMismatchError as e:
         return str(e)
     return "no error"
 
 
+_PARAMETERS = {
+    "gather": "dim=0 stack=False uneven=False max_size=None ",
+    "reduce_scatter": "dim=0 ",
+    "all_to_all": "dim=0 ",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PARAMETERS))
 @pytest.mark.parametrize("which", ["sync", "to_cpu"])
-def test_replicas_whose_sync_or_to_cpu_differ_raise_naming_them(which):
+def test_replicas_whose_sync_or_to_cpu_differ_raise_naming_them(name, which):
     # (on XLA a call in flight on one replica alone is another program: its
     # wait is diagnosed, then XLA aborts the process)
     def head(value):
         flags = {"to_cpu": False, "sync": True} | {which: value}
-        return (
-            "dim=0 stack=False uneven=False max_size=None "
-            f"to_cpu={flags['to_cpu']} sync={flags['sync']}"
-        )
+        return f"{_PARAMETERS[name]}to_cpu={flags['to_cpu']} sync={flags['sync']}"
 
-    for rank, text in enumerate(shared_pool("gloo-2").run(_parameters_differ, [which] * 2)):
+    for rank, text in enumerate(shared_pool("gloo-2").run(_parameters_differ, [(name, which)] * 2)):
         assert text == (
-            "xcoll.gather: replicas made different calls; the first difference: this replica "
+            f"xcoll.{name}: replicas made different calls; the first difference: this replica "
             f"(rank {rank}) has parameters: {head(rank == 0)}; rank {1 - rank} has parameters: "
             f"{head(rank != 0)}"
         ), text
