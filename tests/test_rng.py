@@ -69,10 +69,35 @@ def test_states_cross_the_dtypes_an_xla_setting_narrows(setting):
 
     with XlaPool(2, env={setting: "1"}) as pool:
         results = pool.run(_sync_then_draw, [1, 1])
+        pool.run(_cached_gaussians, [None, None])
+        kept = pool.run(_shared_states_kept, [None, None])
     want = torch.rand(3, generator=torch.Generator().manual_seed(101))
     assert all(torch.equal(r["generator"], want) for r in results), results
     assert results[0]["xla seed"] == results[1]["xla seed"]
     assert torch.equal(results[0]["xla"], results[1]["xla"])
+    # Python's and NumPy's states (their int64 words, their cached float
+    # gaussians) bit for bit: the replica threads share them, so a sync from
+    # either gives back what both held
+    assert kept == [True, True]
+
+
+def _cached_gaussians(_):
+    random.seed(7)
+    random.gauss(0.0, 1.0)  # (caches its second value: a float in the state)
+    np.random.seed(7)
+    np.random.standard_normal()  # (likewise NumPy's legacy generator)
+
+
+def _python_and_numpy():
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    return random.getstate(), (keys.tolist(), pos, has_gauss, repr(cached))
+
+
+def _shared_states_kept(_):
+    before = _python_and_numpy()
+    assert before[0][2] is not None and before[1][2] == 1  # (a cached gaussian each)
+    xcoll.sync_rng_state(src=1)
+    return _python_and_numpy() == before
 
 
 def _later_tags_differ(_):

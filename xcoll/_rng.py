@@ -262,4 +262,3 @@ def _sync(
     got = transport.to_host(optree.tree_leaves(synced))
     state = optree.tree_unflatten(spec, list(map(_pack.from_leaf_bytes, got, mine)))
     set_rng_state(cast(dict[str, Any], state), generators)
-
