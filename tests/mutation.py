@@ -131,8 +131,10 @@ OWNERS: dict[str, list[str]] = {
     "tests/test_rng.py": [*CORE, "xcoll._rng.*", "xcoll._core.call.*"],
     "tests/test_dist.py": CORE,
     "tests/test_out_of_step.py": [*GUARD, "xcoll._guard.check.*"],
-    # (the refusals of leaves that cannot be cut, read whole on a gloo pair)
-    "tests/test_errors.py": [*PARTS, *CORE, "xcoll._core.call.*"],
+    # (the refusals of leaves that cannot be cut, read whole on a gloo pair;
+    # what the environment says of a launch, read by scripts of their own and
+    # at xcoll's import)
+    "tests/test_errors.py": [*PARTS, *CORE, "xcoll._core.call.*", "xcoll._backends._launch.*"],
     # (which calls are checked in full: "never" ones are not counted)
     "tests/test_check_state.py": ["xcoll._guard.check.x_due*"],
     # (an uneven leaf's growing dim, "*" in its description line)

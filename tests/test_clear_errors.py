@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import xcoll
 from tests.replicas import device, shared_pool
@@ -20,7 +21,16 @@ GROUP = "group must be a torch.distributed ProcessGroup (as dist.new_group retur
 ONE = torch.ones(2)
 
 
-@pytest.mark.parametrize("group,shown", [("nope", "str 'nope'"), (3, "int 3"), (1.0, "float 1.0")])
+# (dist.group: the namespace of dist.group.WORLD, which torch.distributed's
+# own functions would take apart attribute by attribute)
+_NAMESPACE = f"{type(dist.group).__qualname__} {dist.group!r}"
+
+
+@pytest.mark.parametrize(
+    "group,shown",
+    [("nope", "str 'nope'"), (3, "int 3"), (1.0, "float 1.0"), (dist.group, _NAMESPACE)],
+    ids=["str", "int", "float", "dist.group"],
+)
 @pytest.mark.parametrize(
     "call",
     [

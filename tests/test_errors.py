@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections import namedtuple
 
@@ -296,6 +297,12 @@ def test_a_failed_calls_tensors_do_not_join_the_next_graph():
 # ---- a launched process without its world ---------------------------------------
 
 _LAUNCHED = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_WITHOUT_GROUP = (
+    "this process was started as {}, but torch.distributed is not initialised: call "
+    'torch.distributed.init_process_group first ("gloo"; "nccl" with CUDA leaves), or every '
+    "xcoll call would run as a world of one and return this process's values alone "
+    "(docs/launchers.md)"
+)
 
 
 def _world_of_one_calls():
@@ -314,8 +321,9 @@ def _world_of_one_calls():
     "variable,rank,named",
     [
         ("WORLD_SIZE", "RANK", "rank 1 of 2 (torchrun's environment: WORLD_SIZE=2)"),
-        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "rank 1 of 2 (Open MPI's"),
-        ("PMI_SIZE", "PMI_RANK", "rank 1 of 2 (MPICH's"),
+        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "rank 1 of 2 (Open MPI's environment (mpirun): OMPI_COMM_WORLD_SIZE=2)"),
+        ("PMI_SIZE", "PMI_RANK", "rank 1 of 2 (MPICH's or Intel MPI's environment (mpirun): PMI_SIZE=2)"),
+        ("WORLD_SIZE", "", "rank ? of 2 (torchrun's environment: WORLD_SIZE=2)"),  # (no rank said)
     ],
 )
 def test_a_launched_process_without_a_process_group_raises(monkeypatch, variable, rank, named):
@@ -329,17 +337,113 @@ def test_a_launched_process_without_a_process_group_raises(monkeypatch, variable
     for v in _LAUNCHED:
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv(variable, "2")
-    monkeypatch.setenv(rank, "1")
+    for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    if rank:
+        monkeypatch.setenv(rank, "1")
     for name, call in _world_of_one_calls().items():
-        with pytest.raises(RuntimeError, match="torch.distributed.init_process_group") as e:
+        with pytest.raises(RuntimeError) as e:
             call()
-        assert named in str(e.value), (name, e.value)
+        assert str(e.value) == _WITHOUT_GROUP.format(named), (name, e.value)
     # a bad tree: its own error first (the next good call names the missing group)
     with pytest.raises(TypeError, match=re.escape("tree['bad']: unsupported leaf of type str")):
         xcoll.gather({"x": torch.ones(1), "bad": "nope"})
     monkeypatch.setenv(variable, "1")  # what the environment says, a world of one
     assert xcoll.gather({"x": torch.ones(1)})["x"].tolist() == [1.0]
     assert xcoll.world_size() == 1
+
+
+_XLA_IN_A_TORCHRUN_JOB = """
+import json, os
+import xcoll  # (first: its import makes XLA:CPU's synchronous client the default)
+client = os.environ.get("PJRT_CPU_ASYNC_CLIENT")
+import torch, torch_xla
+said = []
+for device in (torch_xla.device(), "cpu"):
+    try:
+        said.append(xcoll.gather({"x": torch.ones(1, device=device)})["x"].tolist())
+    except (RuntimeError, TypeError) as e:
+        said.append(f"{type(e).__name__}: {e}")
+print(json.dumps([client, said]))
+"""
+
+_STARTED_AS = (
+    "This process was started as rank ? of 2 (torchrun's environment), but XLA's runtime runs "
+    "it as a world of one: something started the XLA runtime instead of torch.distributed "
+    "(accelerate does when torch_xla is installed: set USE_TORCH_XLA=0)"
+)
+
+
+def _python(tmp_path, code: str, env: dict[str, str]):
+    """``code`` run as a script of its own, importing this checkout's xcoll."""
+    import json
+
+    from tests.helpers import ROOT, run
+
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    result = run(script, {"PYTHONPATH": str(ROOT), **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed")
+@pytest.mark.parametrize("launched", [False, True], ids=["alone", "one of several"])
+def test_an_xla_process_names_what_its_launch_says(tmp_path, launched):
+    # (what accelerate's XLA path under torchrun does: tests/test_launchers.py)
+    env = {"PJRT_DEVICE": "CPU", **({"WORLD_SIZE": "2"} if launched else {})}
+    client, said = _python(tmp_path, _XLA_IN_A_TORCHRUN_JOB, env)
+    assert client == "false"  # (unset before: xcoll's default, XLA:CPU's synchronous client)
+    if not launched:  # a world of one, and CPU leaves that belong on its device
+        assert said == [
+            [1.0],
+            "TypeError: tree['x'] is on cpu, but this process runs XLA replicas; move the "
+            "leaves to the replica's XLA device (torch_xla.device())",
+        ]
+        return
+    assert said == [
+        f"RuntimeError: xcoll: XLA runs this process as a world of one. {_STARTED_AS} (docs/launchers.md)",
+        "TypeError: tree['x'] is on cpu, but this process runs XLA replicas. "
+        f"{_STARTED_AS}, or call torch.distributed.init_process_group first (docs/launchers.md)",
+    ]
+
+
+_XLA_LEAVES_ON_A_GROUP = """
+import json, os, torch, torch_xla, torch.distributed as dist
+import xcoll
+store = "file://" + os.path.abspath(__file__) + ".store"
+dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+try:
+    xcoll.gather({"x": torch.ones(1, device=torch_xla.device())}, group=dist.group.WORLD)
+    said = "returned"
+except ValueError as e:
+    said = f"{type(e).__name__}: {e}"
+dist.destroy_process_group()
+print(json.dumps(said))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed")
+def test_xla_leaves_on_a_process_group_are_refused(tmp_path):
+    said = _python(tmp_path, _XLA_LEAVES_ON_A_GROUP, {"PJRT_DEVICE": "CPU"})
+    assert said == "ValueError: group= selects a torch.distributed process group; these leaves are on XLA"
+
+
+def test_importing_xcoll_keeps_the_callers_xla_cpu_client(tmp_path):
+    code = "import json, os, xcoll\nprint(json.dumps(os.environ['PJRT_CPU_ASYNC_CLIENT']))\n"
+    assert _python(tmp_path, code, {"PJRT_CPU_ASYNC_CLIENT": "true"}) == "true"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed")
+def test_importing_xcoll_after_an_xla_runtime_started_leaves_its_client_alone(tmp_path):
+    code = (
+        "import json, os, torch, torch_xla\n"
+        "(torch.ones(1, device=torch_xla.device()) + 1).cpu()  # (the runtime runs)\n"
+        "import xcoll\n"
+        "from xcoll._backends import xla_runtime_running\n"
+        "print(json.dumps([os.environ.get('PJRT_CPU_ASYNC_CLIENT'), xla_runtime_running()]))\n"
+    )
+    assert _python(tmp_path, code, {"PJRT_DEVICE": "CPU"}) == [None, True]
 
 
 # ---- dict keys whose order no replica can match -----------------------------------
