@@ -236,3 +236,26 @@ def test_the_compile_lock_lets_a_waiter_go_once_the_holders_graph_is_compiled(mo
     late.join(5)
     assert len(third) == 1
     lock.release(third[0])
+
+
+def _nan_on_odd_ranks(_=None) -> float:
+    """A fresh pool's first call, small (hosted: downloaded, then one
+    exchange), with a float16 NaN on every other replica: their download
+    fetches its bits again (one small graph of their own)."""
+    rank = xcoll.rank()
+    x = torch.tensor(float("nan") if rank % 2 else 1.0, dtype=torch.float16).to(device())
+    out = xcoll.broadcast({"x": x, "y": torch.ones(3).to(device())}, src=0, to_cpu=True)
+    return out["x"].item()
+
+
+def test_a_float16_nan_fetched_on_some_replicas_while_another_compiles_meets():
+    # Regression (found by a random-seed run of test_broadcast[xla-cpu-4]):
+    # the NaN's bits were compiled outside the compile lock, which let a
+    # replica queued behind another's compile of the exchange go on and
+    # compile it again; their all-gathers never met and XLA aborted the
+    # process, in 9 of 10 fresh pools. Each pool here is fresh.
+    from xcoll.testing import XlaPool
+
+    for _ in range(3):
+        with XlaPool(4, timeout=120) as pool:
+            assert pool.run(_nan_on_odd_ranks, [None] * 4) == [1.0] * 4
