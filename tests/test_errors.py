@@ -353,6 +353,12 @@ def test_a_launched_process_without_a_process_group_raises(monkeypatch, variable
     assert xcoll.world_size() == 1
 
 
+#: Tests that start XLA in a script (skipped where torch_xla is not installed:
+#: .ci/run's newest-torch environment).
+_needs_xla = pytest.mark.skipif(
+    importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed"
+)
+
 _XLA_IN_A_TORCHRUN_JOB = """
 import json, os
 import xcoll  # (first: its import makes XLA:CPU's synchronous client the default)
@@ -387,7 +393,7 @@ def _python(tmp_path, code: str, env: dict[str, str]):
     return json.loads(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed")
+@_needs_xla
 @pytest.mark.parametrize("launched", [False, True], ids=["alone", "one of several"])
 def test_an_xla_process_names_what_its_launch_says(tmp_path, launched):
     # (what accelerate's XLA path under torchrun does: tests/test_launchers.py)
@@ -423,7 +429,7 @@ print(json.dumps(said))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed")
+@_needs_xla
 def test_xla_leaves_on_a_process_group_are_refused(tmp_path):
     said = _python(tmp_path, _XLA_LEAVES_ON_A_GROUP, {"PJRT_DEVICE": "CPU"})
     assert said == "ValueError: group= selects a torch.distributed process group; these leaves are on XLA"
@@ -434,7 +440,7 @@ def test_importing_xcoll_keeps_the_callers_xla_cpu_client(tmp_path):
     assert _python(tmp_path, code, {"PJRT_CPU_ASYNC_CLIENT": "true"}) == "true"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed")
+@_needs_xla
 def test_importing_xcoll_after_an_xla_runtime_started_leaves_its_client_alone(tmp_path):
     code = (
         "import json, os, torch, torch_xla\n"
