@@ -136,6 +136,7 @@ _SLOW = {
     "test_objects_cross_an_xla_setting_that_narrows_int64",
     "test_an_uneven_gather_crosses_an_xla_setting_that_narrows_int64",
     "test_a_float16_nan_fetched_on_some_replicas_while_another_compiles_meets",
+    "test_a_replicas_own_item_while_another_compiles_a_call_meets",
     "test_readme_pool_example_runs_as_a_script",
     "test_sub_group_messages_say_which_ranks_they_name",
     "test_the_contrastive_example_under_torchrun_matches_one_process",

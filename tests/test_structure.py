@@ -33,7 +33,6 @@ LAYERS = {
     ],
     "xcoll._backends": [
         ["xcoll._backends.base", "xcoll._backends._xlac", "xcoll._backends._launch"],
-        ["xcoll._backends.compile_lock"],
         ["xcoll._backends.xla_step"],
         ["xcoll._backends.xla_kernels"],
         ["xcoll._backends.xla", "xcoll._backends.dist", "xcoll._backends.hosted"],

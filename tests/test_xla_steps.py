@@ -209,33 +209,59 @@ def test_an_output_read_before_any_sync_works_or_is_named_before_xla_aborts(worl
         assert got == [[0.0]] * pool.world_size
 
 
-def test_the_compile_lock_lets_a_waiter_go_once_the_holders_graph_is_compiled(monkeypatch):
-    # (the lock's own logic, in threads; torch_xla's counts stand still here,
-    # so the test moves them as a holder's compile or cache hit would)
-    from xcoll._backends import compile_lock
+def _two_syncs_one_replica_late(late: float) -> list[float]:
+    """A ``sync=False`` call run by the caller's ``torch_xla.sync()``, then
+    work on its output and a second sync straight after; replica 1 reaches
+    the first sync ``late`` seconds after the others."""
+    import torch_xla
 
-    counts = [(3, 7)]
-    monkeypatch.setattr(compile_lock._xlac, "compile_counts", lambda: counts[0])
-    lock = compile_lock.CompileLock()
-    first = lock.hold()
-    got: list[object] = []
-    waiter = threading.Thread(target=lambda: got.append(lock.hold()))
-    waiter.start()
-    time.sleep(0.2)
-    assert got == []  # the holder is compiling
-    counts[0] = (4, 7)  # its graph is in the cache
-    waiter.join(5)
-    assert len(got) == 1  # the waiter holds the lock, the first holder still steps
-    lock.release(first)  # a no-op now
-    third: list[object] = []
-    late = threading.Thread(target=lambda: third.append(lock.hold()))
-    late.start()
-    time.sleep(0.2)
-    assert third == []  # the second holder is compiling, counted from when it was seen
-    lock.release(got[0])
-    late.join(5)
-    assert len(third) == 1
-    lock.release(third[0])
+    out = xcoll.reduce({"x": torch.ones(3).to(device())}, sync=False)
+    if xcoll.rank() == 1:
+        time.sleep(late)
+    torch_xla.sync()
+    y = out["x"] * 2 + 1
+    torch_xla.sync()
+    return y.cpu().tolist()
+
+
+@pytest.mark.parametrize("world", ["xla-cpu-2", "xla-cpu-4"])
+def test_a_sync_right_after_a_sync_waits_for_a_late_replica_outside_the_lock(world):
+    # Regression: the second step held the lock while torch_xla waited for
+    # the first step's execution, which waited at its all-reduce for replica
+    # 1, queued behind that lock for its first step: XLA aborted the process
+    pool = shared_pool(world)
+    w = pool.world_size
+    assert pool.run(_two_syncs_one_replica_late, [0.5] * w) == [[2.0 * w + 1] * 3] * w
+
+
+def _own_items_while_another_compiles(calls: int) -> list[list[float]]:
+    """``calls`` calls of new shapes (each compiles its exchange); before
+    each, every odd replica reads ``.item()`` of graphs of its own, each
+    compiled (a new shape), while the others are in that call."""
+    rank = xcoll.rank()
+    got = []
+    for k in range(calls):
+        if rank % 2:
+            for j in range(24):
+                (torch.ones(24 * k + j + 1).to(device()) * 2).sum().item()
+        out = xcoll.broadcast({"y": torch.full((k + 1,), float(rank)).to(device())}, src=1)
+        got.append(out["y"].cpu().tolist())
+    return got
+
+
+def test_a_replicas_own_item_while_another_compiles_a_call_meets():
+    # Regression: the lock let its waiters go once torch_xla's process-wide
+    # compile counts changed, which an odd replica's own .item() did while
+    # replica 0 compiled the call's exchange; a waiter then compiled that
+    # exchange again, their all-gathers never met, and XLA aborted the
+    # process (4 of 8 fresh W=4 pools at their first call). Fresh pools: a
+    # shared one has compiled these graphs already.
+    from xcoll.testing import XlaPool
+
+    want = [[1.0] * (k + 1) for k in range(4)]
+    for _ in range(3):
+        with XlaPool(4, timeout=120) as pool:
+            assert pool.run(_own_items_while_another_compiles, [4] * 4) == [want] * 4
 
 
 def _nan_on_odd_ranks(_=None) -> float:

@@ -70,8 +70,8 @@ def default_cpu_client() -> None:
     where it is unset and no runtime runs yet; the replicas that
     ``torch_xla.launch`` starts inherit it). Under torch_xla's default, the
     asynchronous client, thread-per-device replicas aborted training steps
-    (:mod:`xcoll._backends.compile_lock`). The variable is read by XLA:CPU
-    alone."""
+    (:mod:`xcoll._backends.xla_step`, docs/launchers.md). The variable is
+    read by XLA:CPU alone."""
     if os.environ.get("PJRT_CPU_ASYNC_CLIENT") is not None:  # (the caller's choice)
         return
     if "torch_xla" in sys.modules:  # (else no runtime runs: torch_xla is not imported here)

@@ -18,9 +18,8 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
 * When thread-per-device replicas reach ``torch_xla.sync()`` together with a
   graph not yet compiled, each thread compiles its own executable and their
   collectives never meet. A process-wide lock around the step lets the first
-  thread compile and the others hit the cache; it is held only until the
-  step's graph is compiled (:mod:`.compile_lock` says why). In a
-  one-replica process it costs nothing. See :func:`sync` for why a step then
+  thread compile and the others hit the cache (:mod:`.xla_step` says how it
+  is held). In a one-replica process it costs nothing. See :func:`sync` for why a step then
   waits.
 * A ``sync=False`` call's verdict is read once its header is data, at this
   device's next xcoll call or sync (:meth:`XlaTransport.settle`), never
@@ -127,8 +126,8 @@ def own_sync(wait: bool = False, reset_scope: bool = True) -> None:
     (``wait`` too is moot), and verdicts of ``sync=False`` calls are read at
     the next xcoll call: a caller may sync under a lock of its own, and a
     wait there would wait for the replicas that wait for that lock. (The
-    device's next step waits for this one's execution: torch_xla locks the
-    device until the synchronous client has run it.)"""
+    device's next step waits for this one's execution, before it takes
+    xcoll's lock: :mod:`.xla_step`.)"""
     sync(torch_xla.device(), wait=False)
 
 
