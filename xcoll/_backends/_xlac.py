@@ -181,17 +181,6 @@ def pending(device: torch.device) -> bool:
     return any(_binding("_check_device_tensor_need_materialization")(str(device)))
 
 
-def compile_counts() -> tuple[int, int]:
-    """How many executables torch_xla's graph cache holds, and how many steps
-    have found theirs there (its ``CachedCompile`` counter): process-wide,
-    read under torch_xla's locks. A step changes one of them after it has
-    compiled (and cached) its graph or found it, before it dispatches it. No
-    public API but ``torch_xla.debug.metrics.counter_value``, which this
-    reads without its Python wrapper."""
-    cached = _binding("_xla_get_num_cached_compilation_graph")()
-    return cached, _binding("_xla_counter_value")("CachedCompile") or 0
-
-
 def run_step_closures() -> None:
     """Runs the step closures registered for this thread's device (after
     :func:`step`, outside the lock). Replaces the part of ``torch_xla.sync()``
