@@ -84,8 +84,11 @@ def test_uneven_gather_is_every_replicas_rows_in_rank_order(pool, data):
 
 
 def _mismatch(_):
-    cols = 3 + xcoll.rank() % 2  # odd ranks have 4 columns
-    return xcoll.gather({"m": torch.zeros(2, cols).to(device())}, uneven=True)
+    rank = xcoll.rank()
+    cols = 3 + rank % 2  # odd ranks have 4 columns
+    # (before it, a leaf whose ranks differ along its dim alone, as they may)
+    tree = {"a": torch.zeros(1 + rank, 2), "m": torch.zeros(3, cols)}
+    return xcoll.gather({k: v.to(device()) for k, v in tree.items()}, uneven=True)
 
 
 def test_other_dims_must_match_and_every_replica_says_so(pool):
@@ -116,7 +119,7 @@ def test_other_dims_must_match_without_the_guard_too(pool):
         assert f.type_name == "builtins.ValueError", f
         assert (
             "tree['m']: an uneven gather along dim 0 needs the same other dims on every "
-            "replica; rank 0 has shape (2, 3), rank 1 has (2, 4)" in f.message
+            "replica; rank 0 has shape (3, 3), rank 1 has (3, 4)" in f.message
         ), f
     everyone = [v for r in range(pool.world_size) for v in range(r)]
     assert pool.run(_sizes_ok, [None] * pool.world_size) == [everyone] * pool.world_size
