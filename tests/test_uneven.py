@@ -125,6 +125,30 @@ def test_other_dims_must_match_without_the_guard_too(pool):
     assert pool.run(_sizes_ok, [None] * pool.world_size) == [everyone] * pool.world_size
 
 
+def _along(dim: int):
+    rank = xcoll.rank()
+    x = torch.arange(2.0 * (1 + rank)).reshape(1 + rank, 2) + 10 * rank  # rank r: 1 + r rows
+    return xcoll.gather({"x": x.to(device())}, uneven=True, dim=dim, to_cpu=True)
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_an_uneven_gathers_dim_is_in_range_as_torch_says(world):
+    # -ndim is the first dim, as in torch; ndim is out of range (taken modulo
+    # ndim it would gather along dim 0, quietly)
+    pool = shared_pool(world)
+    got = pool.run(_along, [-2, -2])
+    rows = [torch.arange(2.0 * (1 + r)).reshape(1 + r, 2) + 10 * r for r in range(2)]
+    assert all(torch.equal(g["x"], torch.cat(rows)) for g in got), got
+    failures = pool.run(_along, [2, 2], return_exceptions=True)
+    want = (
+        "tree['x']: dim=2 is out of range for a leaf of shape (1, 2) (uneven gathers need a "
+        "dim to grow)"
+    )
+    assert [getattr(f, "type_name", f) for f in failures] == ["builtins.ValueError"] * 2
+    assert want in failures[0].message, failures[0]
+    assert want.replace("(1, 2)", "(2, 2)") in failures[1].message, failures[1]
+
+
 def _one_over_max_size(_):
     n = 5 if xcoll.rank() == 0 else 2  # only rank 0 exceeds
     return xcoll.gather({"x": torch.ones(n, 3).to(device())}, max_size=4, to_cpu=True)
