@@ -59,6 +59,10 @@ def case(name: str, rank: int, last: bool, dev):
         return name.split()[0], {"x": torch.ones(4, 8 if last else 12).to(dev)}, {"dim": 1}
     if name == "indivisible":
         return "all_to_all", {"x": torch.ones(4, 11 if last else 12).to(dev)}, {"dim": 1}
+    if name == "uneven dim":
+        return "gather", {"x": t}, {"uneven": True, "dim": 1 if last else 0}
+    if name == "uneven to_cpu":
+        return "gather", {"x": t}, {"uneven": True, "to_cpu": last}
     if name == "mixed devices":
         return "gather", {"x": t, "y": torch.ones(1, device="meta") if last else t}, {}
     raise AssertionError(name)
@@ -78,6 +82,8 @@ EXPECTED = {
     "non-tensor leaf": ("builtins.TypeError", MISMATCH, "tree['y']"),
     "mixed devices": ("builtins.TypeError", MISMATCH, "tree['y']"),
     "scatter dim": (MISMATCH, MISMATCH, "dim="),
+    "uneven dim": (MISMATCH, MISMATCH, "dim=1 stack=False uneven=True max_size=None"),
+    "uneven to_cpu": (MISMATCH, MISMATCH, "uneven=True max_size=None to_cpu=True"),
     "all_to_all vs gather": (MISMATCH, MISMATCH, "xcoll.all_to_all"),
     "all_to_all shape": (MISMATCH, MISMATCH, "tree['x']"),
     "reduce_scatter shape": (MISMATCH, MISMATCH, "tree['x']"),

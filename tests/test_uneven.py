@@ -168,8 +168,11 @@ def _sizes_ok(_):
 
 
 def test_refused_arguments():
-    with pytest.raises(ValueError, match="stack"):
-        xcoll.gather(torch.ones(2), uneven=True, stack=True)
+    refused = "uneven gathers concatenate and run now: stack=True and sync=False do not apply"
+    for kwargs in ({"stack": True}, {"sync": False}):
+        with pytest.raises(ValueError) as e:
+            xcoll.gather(torch.ones(2), uneven=True, **kwargs)
+        assert str(e.value) == refused, kwargs
     with pytest.raises(ValueError, match="max_size"):
         xcoll.gather(torch.ones(2), max_size=-1)
     with pytest.raises(
@@ -361,7 +364,8 @@ def test_a_later_call_with_max_size_that_differs_raises_without_the_guard_too(wo
         if case == "other dim"
         # (3 float32 columns at max_size 3: 36 bytes, padded to 8)
         else "the replicas' leaves have the same shapes but need different bytes at their "
-        f"max_size (rank 0: 48, rank 1: {40 if case == 'max_size' else 96})"
+        f"max_size (rank 0: 48, rank 1: {40 if case == 'max_size' else 96}): their dtypes "
+        "or their max_size differ"
     )
     for f in failures:
         assert f.type_name == "builtins.ValueError", f
