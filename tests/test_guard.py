@@ -561,7 +561,9 @@ def _small_later_difference(case: str):
     """After a consistent first call, the last replica's later call differs
     in its buffers' size: a metrics dict without one key, one leaf in
     float64, a gather of 3 elements against 2, a broadcast's tree without a
-    key. Returns the error's text, or the result; then a consistent call's."""
+    key; a gather of 1001 elements against 1000, whose buffers (with the
+    header) are just inside the size class. Returns the error's text, or the
+    result; then a consistent call's."""
     rank, world = xcoll.rank(), xcoll.world_size()
     odd = rank == world - 1
     dev = device()
@@ -578,6 +580,8 @@ def _small_later_difference(case: str):
     try:
         if case == "gather":
             out = xcoll.gather({"x": torch.ones(3 if odd else 2).to(dev)})
+        elif case == "gather of 4000 bytes":
+            out = xcoll.gather({"x": torch.ones(1001 if odd else 1000).to(dev)})
         elif case == "broadcast":
             out = xcoll.broadcast(later)
         else:
@@ -589,7 +593,8 @@ def _small_later_difference(case: str):
 
 
 @pytest.mark.parametrize(
-    "case", ["missing key", "float64", "first bucket float64", "gather", "broadcast"]
+    "case",
+    ["missing key", "float64", "first bucket float64", "gather", "gather of 4000 bytes", "broadcast"],
 )
 @pytest.mark.parametrize("world", ["gloo-2", "gloo-4", "xla-cpu-2", "xla-cpu-4"])
 def test_a_small_later_call_whose_sizes_differ_raises_on_every_replica(world, case):
