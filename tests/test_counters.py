@@ -161,6 +161,23 @@ def test_a_small_call_runs_the_one_small_program_and_compiles_nothing(xla4, name
         assert again == {"executions": w, "compiles": 0, "transfers_from_device": transfers}
 
 
+def _half_max(n: int) -> float:
+    x = torch.full((n,), float(xcoll.rank()), dtype=torch.float16).to(device())
+    return float(xcoll.reduce({"h": x}, "max", to_cpu=True)["h"].max())
+
+
+def test_a_half_precision_max_within_the_small_size_class_compiles_nothing(xla4):
+    # 1500 float16 elements: a max keeps their width (their bits' keys, 3000
+    # bytes: a small call, in the shared small program); a sum of them would
+    # travel in float32 (6000 bytes: a program of its own)
+    w = xla4.world_size
+    xla4.run(_setup, [(8, 1)] * w)
+    got: list[float] = []
+    first = _delta(xla4, _half_max, 1500, got)
+    assert got == [float(w - 1)] * w
+    assert first["compiles"] == 0 and first["executions"] == w, first
+
+
 @pytest.mark.parametrize("name,op", [("gather", None), ("reduce", "max"), ("broadcast", None)])
 def test_to_cpu_fetches_one_buffer_per_dtype_not_per_leaf(xla4, name, op):
     w = xla4.world_size
