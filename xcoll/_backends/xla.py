@@ -294,10 +294,7 @@ class XlaTransport(Transport):
                 hosts[k] = h = h.detach()
             if t.dtype == torch.float16 and bool(torch.isnan(h).any()):
                 bits = self.kernels.bitcast(t, torch.int16)
-                # (compiled under the lock, as every graph a replica runs: a
-                # compile outside it let a replica queued behind another's
-                # compile go on and compile that graph again, and their
-                # collectives never met: XLA aborted the process)
+                # (stepped as every graph xcoll runs, under the lock)
                 step(self.device, [bits])
                 hosts[k] = _xlac.get_cpu_tensors([bits])[0].view(torch.float16)
         return hosts
