@@ -6,6 +6,7 @@ and the Hypothesis settings of the property tests.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import struct
@@ -13,6 +14,7 @@ import subprocess
 import sys
 
 import optree
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -96,6 +98,12 @@ def assert_trees(actual, expected, equal, what=""):
 
 #: 4 XLA:CPU replicas under ``torch_xla.launch``, as docs/launchers.md says to start them.
 XLA_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+
+#: Tests that start XLA themselves, in a script or a launched job (skipped
+#: where torch_xla is not installed: .ci/run's newest-torch environment).
+needs_xla = pytest.mark.skipif(
+    importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed"
+)
 
 
 def clean_env() -> dict[str, str]:

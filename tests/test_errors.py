@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections import namedtuple
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 import xcoll
+from tests.helpers import needs_xla
 from tests.replicas import device, shared_pool, to_cpu, to_device
 
 Point = namedtuple("Point", ["x", "y"])
@@ -353,11 +353,6 @@ def test_a_launched_process_without_a_process_group_raises(monkeypatch, variable
     assert xcoll.world_size() == 1
 
 
-#: Tests that start XLA in a script (skipped where torch_xla is not installed:
-#: .ci/run's newest-torch environment).
-_needs_xla = pytest.mark.skipif(
-    importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed"
-)
 
 _XLA_IN_A_TORCHRUN_JOB = """
 import json, os
@@ -393,7 +388,7 @@ def _python(tmp_path, code: str, env: dict[str, str]):
     return json.loads(result.stdout.splitlines()[-1])
 
 
-@_needs_xla
+@needs_xla
 @pytest.mark.parametrize("launched", [False, True], ids=["alone", "one of several"])
 def test_an_xla_process_names_what_its_launch_says(tmp_path, launched):
     # (what accelerate's XLA path under torchrun does: tests/test_launchers.py)
@@ -429,7 +424,7 @@ print(json.dumps(said))
 """
 
 
-@_needs_xla
+@needs_xla
 def test_xla_leaves_on_a_process_group_are_refused(tmp_path):
     said = _python(tmp_path, _XLA_LEAVES_ON_A_GROUP, {"PJRT_DEVICE": "CPU"})
     assert said == "ValueError: group= selects a torch.distributed process group; these leaves are on XLA"
@@ -440,7 +435,7 @@ def test_importing_xcoll_keeps_the_callers_xla_cpu_client(tmp_path):
     assert _python(tmp_path, code, {"PJRT_CPU_ASYNC_CLIENT": "true"}) == "true"
 
 
-@_needs_xla
+@needs_xla
 def test_importing_xcoll_after_an_xla_runtime_started_leaves_its_client_alone(tmp_path):
     code = (
         "import json, os, torch, torch_xla\n"

@@ -8,7 +8,6 @@ the replicas' losses): float64 within 1e-12 where the engine computes in it
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from hypothesis import given
 
 import xcoll
 from tests import strategies as S
-from tests.helpers import PROPERTY, XLA_CPU, leaves
+from tests.helpers import PROPERTY, XLA_CPU, leaves, needs_xla
 from tests.replicas import device, shared_pool, to_cpu, to_device
 
 # ---- examples: built the same way here and on every replica ----------------
@@ -583,9 +582,7 @@ def test_the_contrastive_example_under_torchrun_matches_one_process():
     )
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed"
-)
+@needs_xla
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_contrastive_training_loop_under_torch_xla_defaults_matches_one_process(world):
     # torch_xla's environment as it is (but the thread pool xcoll asks for):

@@ -4,27 +4,19 @@ processes; and what a user sees when a launch is set up wrong."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import shlex
 import subprocess
 import sys
 import textwrap
 
-import pytest
-
-from tests.helpers import XLA_CPU, clean_env, run
+from tests.helpers import XLA_CPU, clean_env, needs_xla, run
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "launchers.md"
 
 
 TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
-#: The tests that launch XLA replicas (skipped where torch_xla is not installed:
-#: .ci/run's newest-torch environment).
-needs_xla = pytest.mark.skipif(
-    importlib.util.find_spec("torch_xla") is None, reason="xla: torch_xla is not installed"
-)
 
 
 def torchrun(tmp_path: pathlib.Path, code: str, env: dict[str, str] | None = None):
