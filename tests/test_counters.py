@@ -178,6 +178,29 @@ def test_a_half_precision_max_within_the_small_size_class_compiles_nothing(xla4)
     assert first["compiles"] == 0 and first["executions"] == w, first
 
 
+def _gather_words(n: int) -> list[float]:
+    x = torch.full((n,), float(xcoll.rank()), dtype=torch.float32).to(device())
+    return xcoll.gather({"g": x}, to_cpu=True)["g"].view(-1, n)[:, -1].tolist()
+
+
+def test_a_gather_of_exactly_the_small_size_class_compiles_nothing(xla4):
+    # the guard's header words, then n float32 words: SMALL bytes in all is
+    # still a small call (the shared small program); one word more is a
+    # program of its own
+    from xcoll._encode.pack import SMALL
+    from xcoll._guard.header import own_size
+
+    w = xla4.world_size
+    xla4.run(_setup, [(8, 1)] * w)
+    n = SMALL // 4 - own_size(torch.int32, "", w)
+    got: list[list[float]] = []
+    at = _delta(xla4, _gather_words, n, got)
+    over = _delta(xla4, _gather_words, n + 1, got)
+    assert got == [[float(r) for r in range(w)]] * (2 * w)
+    assert at["compiles"] == 0 and at["executions"] == w, at
+    assert over["compiles"] == 1, over
+
+
 @pytest.mark.parametrize("name,op", [("gather", None), ("reduce", "max"), ("broadcast", None)])
 def test_to_cpu_fetches_one_buffer_per_dtype_not_per_leaf(xla4, name, op):
     w = xla4.world_size
