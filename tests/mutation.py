@@ -130,6 +130,8 @@ OWNERS: dict[str, list[str]] = {
     "tests/test_objects.py": [*CORE, "xcoll._objects.*", "xcoll._core.call.*"],
     "tests/test_rng.py": [*CORE, "xcoll._rng.*", "xcoll._core.call.*"],
     "tests/test_dist.py": CORE,
+    # (a reduce's Python ints, read back exactly beside float scalars)
+    "tests/test_exact_ints.py": CORE,
     "tests/test_out_of_step.py": [*GUARD, "xcoll._guard.check.*"],
     # (the refusals of leaves that cannot be cut, read whole on a gloo pair;
     # what the environment says of a launch, read by scripts of their own and

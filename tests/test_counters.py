@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import counters, device
+from tests.replicas import counters, device, shared_pool
 
 N_LEAVES = 64
 # One replica's persistent state between pool.run calls, by rank.
@@ -270,6 +270,32 @@ def test_sync_false_joins_the_callers_step(xla4, mode):
         "compiles": 0,
         "transfers_from_device": k * w,
     }
+
+
+def _tensors_only(mode):
+    # (an upload: data, not pending work, so the call's step is its own; of
+    # 8,000 bytes, beyond the small calls that run on the host)
+    x = torch.full((2000,), float(xcoll.rank() + 1)).to(device())
+    with xcoll.consistency_checks(mode):
+        _STATE[xcoll.rank()] = {"out": xcoll.reduce({"x": x})}
+
+
+def _read(_=None) -> list[float]:
+    return _STATE[xcoll.rank()]["out"]["x"].cpu().tolist()
+
+
+@pytest.mark.parametrize("world,mode", [(1, "guard"), (2, "never")])
+def test_a_call_without_a_header_runs_its_program_before_it_returns(world, mode):
+    # A call with sync (the default) whose outputs stay on the device runs
+    # its program within the call even when no header or Python scalar is
+    # read back from it (a world of one, or checks off): its outputs are data
+    # when it returns, not work left pending for the caller's next step.
+    pool = shared_pool(f"xla-cpu-{world}")
+    pool.run(_tensors_only, [mode] * world)  # (compiles)
+    during = _delta(pool, _tensors_only, mode)
+    assert during["executions"] == world, during
+    total = float(sum(range(1, world + 1)))
+    assert pool.run(_read) == [[total] * 2000] * world
 
 
 def _back_to_back(n):
