@@ -4,6 +4,7 @@ replica's collective is in flight."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -202,8 +203,13 @@ def test_an_output_read_before_any_sync_works_or_is_named_before_xla_aborts(worl
         got = pool.run(_read_before_any_sync, [how] * pool.world_size, timeout=60)
     except PoolCrashed as e:
         log = str(e)
-        hint = log.find("made with sync=False 5 s ago, has not been run by a sync yet")
-        assert 0 <= hint < log.find("Termination timeout"), log[-3000:]
+        # (the hint names the call and the replica)
+        named = re.search(
+            r"xcoll: xcoll\.reduce on rank [0-9], made with sync=False 5 s ago, has not been run "
+            r"by a sync yet",
+            log,
+        )
+        assert named is not None and named.start() < log.find("Termination timeout"), log[-3000:]
         assert "call xcoll.sync() before reading the outputs" in log
     else:
         assert got == [[0.0]] * pool.world_size
