@@ -337,16 +337,64 @@ def _completed_during_another_threads_call(_=None):
         out + 1
         got = "completed"
     except xcoll.ConcurrentCallError as e:
-        got = type(e).__name__
+        got = str(e).split(" from thread")[0]
     done.set()
     thread.join(60)
     return got
 
 
 def test_a_call_in_flight_completed_during_another_threads_call_raises():
-    # (one thread per group, as for calls: its completion claims the group)
+    # (one thread per group, as for calls: its completion claims the group, as
+    # the call it completes, by name)
     pool = shared_pool("gloo-2")
-    assert pool.run(_completed_during_another_threads_call, [None] * 2) == ["ConcurrentCallError"] * 2
+    got = pool.run(_completed_during_another_threads_call, [None] * 2)
+    assert got == [f"xcoll.gather: called on rank {r} of the group (global rank {r})" for r in range(2)], got
+
+
+def _another_threads_call_during_a_completion(_=None):
+    """Rank 0 completes a call in flight that waits for rank 1 (late), and
+    another of its threads calls on the group meanwhile: that call raises at
+    once, and so does the completion it overlapped, when it ends."""
+    import threading
+
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+    xcoll.barrier(group=group)  # (a group's first call is checked in full: it waits)
+    if xcoll.rank() == 1:
+        time.sleep(3.0)
+        return xcoll.gather(torch.ones(2), sync=False, group=group).tolist()
+    out = xcoll.gather(torch.ones(2), sync=False, group=group)
+    raised = []
+
+    def other():
+        time.sleep(1.0)  # (inside the completion, which waits for rank 1)
+        try:
+            xcoll.gather(torch.ones(2), group=group)
+        except xcoll.ConcurrentCallError as e:
+            raised.append(str(e).split(" from thread")[0])
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    try:
+        got = out.tolist()
+    except xcoll.ConcurrentCallError as e:
+        got = str(e).split(" (")[0]
+    thread.join(60)
+    return got, raised
+
+
+def test_a_completion_that_another_threads_call_overlapped_raises_when_it_ends():
+    pool = shared_pool("gloo-2")
+    got = pool.run(_another_threads_call_during_a_completion, [None] * 2)
+    assert got == [
+        (
+            "xcoll.gather: another thread called xcoll on the same process group while "
+            "this call",
+            ["xcoll.gather: called on rank 0 of the group (global rank 0)"],
+        ),
+        [1.0] * 4,
+    ], got
 
 
 def _late_at_the_sync(_=None):
@@ -379,7 +427,8 @@ def _skipped_by_a_peer(_=None):
     try:
         xcoll.sync()
     except RuntimeError as e:
-        return str(e).split(": ")[:2]
+        # (the call, the replica, and the engine's own error after them)
+        return str(e).split(": ")[:3]
     return out.tolist()
 
 
@@ -388,7 +437,54 @@ def test_a_call_in_flight_that_times_out_says_which_call():
 
     with GlooPool(2, timeout=120, collective_timeout=3) as pool:
         got = pool.run(_skipped_by_a_peer, [None] * 2)
-    assert got == [["xcoll.gather", "a collective did not complete on rank 0"], "skipped"], got
+    assert got[1] == "skipped", got
+    assert got[0][:2] == ["xcoll.gather", "a collective did not complete on rank 0"], got
+    assert "Timed out" in got[0][2] or "timed out" in got[0][2], got
+
+
+def _skipped_and_overlapped(_=None):
+    """As :func:`_skipped_by_a_peer`, and another thread of rank 0 calls on
+    the group while its sync waits: that call raises at once; the sync's own
+    error (the engine's) is still the one the sync raises."""
+    import threading
+
+    xcoll.barrier()
+    if xcoll.rank() == 1:
+        return "skipped"
+    out = xcoll.gather(torch.ones(2), sync=False)
+    raised = []
+
+    def other():
+        time.sleep(1.0)  # (inside the sync, which waits for rank 1)
+        try:
+            xcoll.gather(torch.ones(2))
+        except xcoll.ConcurrentCallError as e:
+            raised.append(str(e).split(" from thread")[0])
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    try:
+        xcoll.sync()
+    except RuntimeError as e:
+        got = [type(e).__name__, *str(e).split(": ")[:2]]
+    else:
+        got = out.tolist()
+    thread.join(60)
+    return got, raised
+
+
+def test_a_call_in_flight_that_times_out_while_another_thread_calls_says_which_call():
+    from xcoll.testing import GlooPool
+
+    with GlooPool(2, timeout=120, collective_timeout=3) as pool:
+        got = pool.run(_skipped_and_overlapped, [None] * 2)
+    assert got == [
+        (
+            ["RuntimeError", "xcoll.gather", "a collective did not complete on rank 0"],
+            ["xcoll.gather: called on rank 0"],
+        ),
+        "skipped",
+    ], got
 
 
 # ---- gradients through a call in flight ------------------------------------------
