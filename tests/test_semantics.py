@@ -164,6 +164,25 @@ def test_outputs_never_require_grad(pool):
             assert flags == [(False, True)] * 2, (name, flags)
 
 
+def _contiguity(_=None):
+    dev = device()
+    # (the caller's view of a contiguous tensor, transposed: non-contiguous)
+    x = (torch.arange(6.0).reshape(3, 2) + xcoll.rank()).to(dev).t()
+    outs = {
+        "gather": xcoll.gather({"x": x}),
+        "reduce": xcoll.reduce({"x": x}),
+        "broadcast": xcoll.broadcast({"x": x}),
+        "gather to_cpu": xcoll.gather({"x": x}, to_cpu=True),
+    }
+    return {k: o["x"].is_contiguous() for k, o in outs.items()}
+
+
+def test_outputs_are_contiguous_whatever_the_inputs_strides(pool):
+    # (in a world of one too, where each output is its leaf's own copy)
+    for report in pool.run(_contiguity, [None] * pool.world_size):
+        assert all(report.values()), report
+
+
 # ---- errors before any communication, named, on every replica --------------------
 
 
