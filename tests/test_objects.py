@@ -307,11 +307,84 @@ def test_an_unencodable_object_raises_on_every_replica(pool, which):
     failures = pool.run(_one_bad, [which] * pool.world_size, return_exceptions=True)
     assert failures[0].type_name == "builtins.TypeError" and "obj['bad']" in failures[0].message
     for f in failures[1:]:
-        assert f.type_name == "builtins.ValueError" and "[0]" in f.message
+        assert f.type_name == "builtins.ValueError"
+        assert f.message == (
+            f"{which}_object: replica(s) [0] could not encode their object (see their error)"
+        ), f.message
     assert (
         pool.run(_gather_object, [[7] * pool.world_size] * pool.world_size)
         == [[7] * pool.world_size] * pool.world_size
     )
+
+
+def _tagged(which):
+    r = xcoll.rank()
+    try:
+        if which == "gather_object":
+            return xcoll.gather_object({"r": r}, tag=f"t{r}")
+        return xcoll.broadcast_object({"r": r}, tag=f"t{r}")
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("which", ["gather_object", "broadcast_object"])
+def test_objects_whose_calls_differ_raise_naming_the_difference(pool, which):
+    # (replicas whose tags differ: the guard's fingerprint travels with the
+    # sizes; a broadcast's src learns nothing on gloo, whose broadcast does not
+    # sum the fingerprints: it returns its own object, docs/reliability.md)
+    w = pool.world_size
+    got = pool.run(_tagged, [which] * w)
+    if w == 1:
+        assert got == [[{"r": 0}] if which == "gather_object" else {"r": 0}], got
+        return
+    one_sided = which == "broadcast_object" and pool.device_type != "xla"
+    for r, text in enumerate(got):
+        if one_sided and r == 0:
+            assert text == {"r": 0}, text
+        elif one_sided:
+            assert text == (
+                f"xcoll.broadcast_object: this replica's call (rank {r}: tag: tag='t{r}'; "
+                "parameters: src=0; no leaves) differs from the call of src, rank 0; run with "
+                "XCOLL_CHECK=always to name the difference"
+            ), text
+        else:
+            other = 0 if r else 1
+            assert text == (
+                f"xcoll.{which}: replicas made different calls; the first difference: this "
+                f"replica (rank {r}) has tag: tag='t{r}'; rank {other} has tag: tag='t{other}'"
+            ), text
+
+
+def _barriers(which):
+    r = xcoll.rank()
+    try:
+        with xcoll.step("s" if which == "lines" else f"s{r}"):
+            if r == 0 or which != "lines":
+                xcoll.barrier("end")
+            else:
+                xcoll.barrier("end")
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+    return "passed"
+
+
+@pytest.mark.parametrize("which", ["lines", "steps"])
+def test_barriers_of_one_tag_whose_calls_differ_raise_naming_the_difference(pool, which):
+    # (the same barrier tag, made from two lines, or in two steps)
+    w = pool.world_size
+    got = pool.run(_barriers, [which] * w)
+    if w == 1:
+        assert got == ["passed"], got
+        return
+    for r, text in enumerate(got):
+        assert text.startswith(
+            "xcoll.barrier: replicas made different calls; the first difference: this "
+            f"replica (rank {r}) has tag: step "
+        ), text
+        other = 0 if r else 1
+        step = ("s{}" if which == "steps" else "s").format
+        assert f"(rank {r}) has tag: step '{step(r)}', call 0 at test_objects.py:" in text, text
+        assert f"; rank {other} has tag: step '{step(other)}', call 0 at test_objects.py:" in text, text
 
 
 def _barrier(tags):
