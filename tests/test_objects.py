@@ -295,6 +295,18 @@ def test_gather_and_broadcast_objects(pool, data):
         assert same_bits(got, objs[src])
 
 
+def _small_from_src(_=None):
+    # (src's objects encode to 1 byte each; the receivers' own, larger, are
+    # ignored, as the docstring says)
+    mine = xcoll.rank() == 0
+    first = xcoll.broadcast_object(None if mine else {"ignored": "x" * 100})
+    return first, xcoll.broadcast_object(True if mine else [1, 2, {3}])
+
+
+def test_a_broadcast_object_of_one_byte_ignores_the_receivers_objects(pool):
+    assert pool.run(_small_from_src, [None] * pool.world_size) == [(None, True)] * pool.world_size
+
+
 def _one_bad(which):
     obj = {"ok": 1} if xcoll.rank() != 0 else {"bad": {1, 2}}
     if which == "gather":
