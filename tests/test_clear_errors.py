@@ -119,12 +119,20 @@ def test_generators_that_are_not_a_sequence_of_generators_are_refused(fn, genera
             fn(generators=generators)
 
 
+_MADE = "state must be what xcoll.rng_state() returns"
+
+
 @pytest.mark.parametrize(
     "state,error,want",
     [
-        ({"x": 1}, ValueError, "it lacks the keys ['torch', 'python', 'generators']"),
-        ("x", TypeError, "(a dict), got str 'x'"),
-        ("python", ValueError, "state['python'] is not a dict with keys"),
+        ({"x": 1}, ValueError, f"{_MADE}: it lacks the keys ['torch', 'python', 'generators'] (it has ['x'])"),
+        ("x", TypeError, f"{_MADE} (a dict), got str 'x'"),
+        (
+            "python",
+            ValueError,
+            f"{_MADE}: state['python'] is not a dict with keys ['version', 'internal', 'has_gauss', 'gauss']",
+        ),
+        ("not a list", ValueError, f"{_MADE}: state['generators'] is not a list"),
         ("generators", ValueError, "the state holds 0 generators, 1 were passed"),
     ],
 )
@@ -138,12 +146,14 @@ def test_a_state_that_rng_state_did_not_make_is_refused_before_any_generator_is_
     random.seed(0)
     if state == "python":
         state = {**xcoll.rng_state(), "python": {}}
+    elif state == "not a list":
+        state = {**xcoll.rng_state(), "generators": 5}
     elif state == "generators":
         state, generators = xcoll.rng_state(), [torch.Generator()]
     torch.manual_seed(1)  # (another one)
     random.seed(1)
     before = torch.get_rng_state(), random.getstate()
-    with pytest.raises(error, match=re.escape(want)):
+    with pytest.raises(error, match="^" + re.escape(want) + "$"):
         xcoll.set_rng_state(state, generators)
     assert torch.equal(torch.get_rng_state(), before[0])
     assert random.getstate() == before[1]

@@ -160,6 +160,28 @@ def test_state_round_trip_in_one_process():
         xcoll.set_rng_state(state)
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["no gaussian cached", "a gaussian cached"])
+def test_pythons_cached_gaussian_round_trips(cached):
+    # (random.gauss computes two values and keeps the second for its next call)
+    random.seed(3)
+    if cached:
+        random.gauss(0.0, 1.0)
+    state = xcoll.rng_state()
+    first = [random.gauss(0.0, 1.0) for _ in range(3)]
+    xcoll.set_rng_state(state)
+    assert [random.gauss(0.0, 1.0) for _ in range(3)] == first
+
+
+def test_a_state_whose_tensors_are_views_is_applied():
+    # (what a collective may return: a strided view into its buffer, which
+    # torch.set_rng_state refuses as it is)
+    state = xcoll.rng_state()
+    first = torch.rand(3)
+    views = {**state, "torch": torch.stack([state["torch"]] * 2, 1)[:, 0]}
+    xcoll.set_rng_state(views)
+    assert torch.equal(torch.rand(3), first)
+
+
 def _sync_with_pending_draws(_):
     import torch_xla
 
