@@ -409,12 +409,15 @@ def test_barrier_passes_with_one_tag_and_names_different_ones(pool):
     assert pool.run(_barrier, [["epoch-1"] * w] * w) == ["passed"] * w
     if w == 1:
         return
-    tags = ["epoch-1"] * w
-    tags[-1] = "epoch-2"
-    failures = pool.run(_barrier, [tags] * w, return_exceptions=True)
-    for f in failures:
-        assert f.type_name == "builtins.ValueError"
-        assert f"rank {w - 1}: 'epoch-2'" in f.message and "rank 0: 'epoch-1'" in f.message
+    # (the last one a str that UTF-8 cannot encode: a lone surrogate)
+    for last in ["epoch-2", "epoch-\udc80"]:
+        tags = ["epoch-1"] * w
+        tags[-1] = last
+        failures = pool.run(_barrier, [tags] * w, return_exceptions=True)
+        listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        for f in failures:
+            assert f.type_name == "builtins.ValueError"
+            assert f.message == f"barrier tags differ between replicas ({listing})", f.message
     assert pool.run(_barrier, [["again"] * w] * w) == ["passed"] * w
 
 
