@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -170,6 +172,28 @@ def test_pythons_cached_gaussian_round_trips(cached):
     first = [random.gauss(0.0, 1.0) for _ in range(3)]
     xcoll.set_rng_state(state)
     assert [random.gauss(0.0, 1.0) for _ in range(3)] == first
+
+
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")
+
+
+@_NO_CUDA
+def test_cuda_generators_round_trip():
+    torch.cuda.init()
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    state = xcoll.rng_state()
+    assert len(state["cuda"]) == len(devices)
+    first = [torch.rand(3, device=d) for d in devices]
+    xcoll.set_rng_state(state)
+    assert all(torch.equal(torch.rand(3, device=d), f) for d, f in zip(devices, first, strict=True))
+
+
+@_NO_CUDA
+def test_reading_the_states_leaves_cuda_uninitialised():
+    # (a process that never used CUDA, as a forked worker must not have)
+    code = "import torch, xcoll; s = xcoll.rng_state(); print(torch.cuda.is_initialized(), 'cuda' in s)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"], out
 
 
 def test_a_state_whose_tensors_are_views_is_applied():
