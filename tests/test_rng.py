@@ -174,6 +174,26 @@ def test_pythons_cached_gaussian_round_trips(cached):
     assert [random.gauss(0.0, 1.0) for _ in range(3)] == first
 
 
+def _xla_seeds(seeds):
+    import torch_xla.core.xla_model as xm
+
+    out = []
+    for seed in seeds:
+        xm.set_rng_state(seed, device())
+        state = xcoll.rng_state()
+        xm.set_rng_state(7, device())
+        xcoll.set_rng_state(state)
+        out.append((state["xla"], xm.get_rng_state(device())))
+    return out
+
+
+def test_xla_seeds_of_64_bits_round_trip_as_the_int64_of_their_bits():
+    # (torch_xla's seed is a uint64; a state's ints travel as int64)
+    seeds = [0, 2**63 - 1, 2**63, 2**63 + 5, 2**64 - 1]
+    got = shared_pool("xla-cpu-1").run(_xla_seeds, [seeds])[0]
+    assert got == [(s - 2**64 if s >= 2**63 else s, s) for s in seeds], got
+
+
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")
 
 
