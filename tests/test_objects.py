@@ -13,7 +13,8 @@ import torch
 from hypothesis import given
 
 import xcoll
-from tests.helpers import PROPERTY, same_bits
+from tests.helpers import PROPERTY, needs_xla, same_bits
+from tests.replicas import counters, shared_pool
 
 FLOATS = (
     st.floats()
@@ -327,6 +328,22 @@ def test_an_unencodable_object_raises_on_every_replica(pool, which):
         pool.run(_gather_object, [[7] * pool.world_size] * pool.world_size)
         == [[7] * pool.world_size] * pool.world_size
     )
+
+
+def _broadcast_three(_=None):
+    return xcoll.broadcast_object({"a": [1, 2, 3]})
+
+
+@needs_xla
+def test_a_warm_broadcast_object_on_xla_runs_two_programs_per_replica():
+    # (its size exchange, fetched to the host as it is made, then its data:
+    # a size read from the device would be one more program and transfer)
+    pool = shared_pool("xla-cpu-2")
+    pool.run(_broadcast_three, [None] * 2)  # (compiles)
+    before = pool.run(counters)[0]
+    assert pool.run(_broadcast_three, [None] * 2) == [{"a": [1, 2, 3]}] * 2
+    after = pool.run(counters)[0]
+    assert after["executions"] - before["executions"] == 2 * 2, (before, after)
 
 
 def _tagged(which):
