@@ -132,7 +132,7 @@ OWNERS: dict[str, list[str]] = {
     "tests/test_dist.py": CORE,
     # (a reduce's Python ints, read back exactly beside float scalars)
     "tests/test_exact_ints.py": CORE,
-    "tests/test_out_of_step.py": [*GUARD, "xcoll._guard.check.*"],
+    "tests/test_out_of_step.py": [*GUARD, "xcoll._guard.check.*", "xcoll._objects.*"],
     # (the refusals of leaves that cannot be cut, read whole on a gloo pair;
     # what the environment says of a launch, read by scripts of their own and
     # at xcoll's import)

@@ -432,6 +432,8 @@ def test_every_wait_for_a_missing_replica_is_diagnosed(world, what):
         no_tree = ("barrier", "gather_object", "broadcast_object", "sync_rng_state")
         leaves = "no leaves" if what in no_tree else " leaf: "
         assert leaves in printed, (rank, printed)
+        if what in ("barrier", "gather_object"):  # (calls without parameters)
+            assert "; parameters: (none); no leaves" in printed, (rank, printed)
 
 
 def _xla_first_call_skipped(_):
