@@ -355,12 +355,30 @@ def test_a_call_in_flight_completed_during_another_threads_call_raises():
     assert got == [f"xcoll.gather: called on rank {r} of the group (global rank {r})" for r in range(2)], got
 
 
+def _a_call_meanwhile(group=None):
+    """Another thread of this process that calls on ``group`` in 1 s (inside a
+    wait of this thread's for a late peer); the ConcurrentCallError it meets,
+    up to its thread's name, lands in the list returned with the thread."""
+    import threading
+
+    raised: list[str] = []
+
+    def other():
+        time.sleep(1.0)
+        try:
+            xcoll.gather(torch.ones(2), group=group)
+        except xcoll.ConcurrentCallError as e:
+            raised.append(str(e).split(" from thread")[0])
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    return thread, raised
+
+
 def _another_threads_call_during_a_completion(_=None):
     """Rank 0 completes a call in flight that waits for rank 1 (late), and
     another of its threads calls on the group meanwhile: that call raises at
     once, and so does the completion it overlapped, when it ends."""
-    import threading
-
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo")
@@ -369,17 +387,7 @@ def _another_threads_call_during_a_completion(_=None):
         time.sleep(3.0)
         return xcoll.gather(torch.ones(2), sync=False, group=group).tolist()
     out = xcoll.gather(torch.ones(2), sync=False, group=group)
-    raised = []
-
-    def other():
-        time.sleep(1.0)  # (inside the completion, which waits for rank 1)
-        try:
-            xcoll.gather(torch.ones(2), group=group)
-        except xcoll.ConcurrentCallError as e:
-            raised.append(str(e).split(" from thread")[0])
-
-    thread = threading.Thread(target=other, daemon=True)
-    thread.start()
+    thread, raised = _a_call_meanwhile(group)
     try:
         got = out.tolist()
     except xcoll.ConcurrentCallError as e:
@@ -450,23 +458,11 @@ def _skipped_and_overlapped(_=None):
     """As :func:`_skipped_by_a_peer`, and another thread of rank 0 calls on
     the group while its sync waits: that call raises at once; the sync's own
     error (the engine's) is still the one the sync raises."""
-    import threading
-
     xcoll.barrier()
     if xcoll.rank() == 1:
         return "skipped"
     out = xcoll.gather(torch.ones(2), sync=False)
-    raised = []
-
-    def other():
-        time.sleep(1.0)  # (inside the sync, which waits for rank 1)
-        try:
-            xcoll.gather(torch.ones(2))
-        except xcoll.ConcurrentCallError as e:
-            raised.append(str(e).split(" from thread")[0])
-
-    thread = threading.Thread(target=other, daemon=True)
-    thread.start()
+    thread, raised = _a_call_meanwhile()
     try:
         xcoll.sync()
     except RuntimeError as e:
