@@ -164,23 +164,35 @@ def test_outputs_never_require_grad(pool):
             assert flags == [(False, True)] * 2, (name, flags)
 
 
+def _transposed(r: int, dev=None) -> torch.Tensor:
+    """Rank ``r``'s leaf: a contiguous tensor's transposed view (non-contiguous)."""
+    return (torch.arange(6.0).reshape(3, 2) + r).to(dev).t()
+
+
 def _contiguity(_=None):
-    dev = device()
-    # (the caller's view of a contiguous tensor, transposed: non-contiguous)
-    x = (torch.arange(6.0).reshape(3, 2) + xcoll.rank()).to(dev).t()
+    x = _transposed(xcoll.rank(), device())
     outs = {
         "gather": xcoll.gather({"x": x}),
         "reduce": xcoll.reduce({"x": x}),
         "broadcast": xcoll.broadcast({"x": x}),
         "gather to_cpu": xcoll.gather({"x": x}, to_cpu=True),
     }
-    return {k: o["x"].is_contiguous() for k, o in outs.items()}
+    return {k: (o["x"].is_contiguous(), o["x"].cpu()) for k, o in outs.items()}
 
 
 def test_outputs_are_contiguous_whatever_the_inputs_strides(pool):
     # (in a world of one too, where each output is its leaf's own copy)
-    for report in pool.run(_contiguity, [None] * pool.world_size):
-        assert all(report.values()), report
+    w = pool.world_size
+    every = [_transposed(r) for r in range(w)]
+    want = {
+        "gather": torch.cat(every),
+        "reduce": sum(every[1:], every[0]),
+        "broadcast": every[0],
+        "gather to_cpu": torch.cat(every),
+    }
+    for report in pool.run(_contiguity, [None] * w):
+        for k, (contiguous, got) in report.items():
+            assert contiguous and torch.equal(got, want[k]), (k, contiguous, got)
 
 
 # ---- errors before any communication, named, on every replica --------------------
