@@ -353,7 +353,6 @@ def test_a_launched_process_without_a_process_group_raises(monkeypatch, variable
     assert xcoll.world_size() == 1
 
 
-
 _XLA_IN_A_TORCHRUN_JOB = """
 import json, os
 import xcoll  # (first: its import makes XLA:CPU's synchronous client the default)
