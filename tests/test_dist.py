@@ -393,6 +393,30 @@ def _world_sum(_):
     return xcoll.reduce({"n": 1})["n"]
 
 
+def _on_an_nccl_group(_):
+    r = dist.get_rank()
+    torch.cuda.set_device(r)
+    group = dist.new_group(backend="nccl")  # (the world's default group stays gloo's)
+    try:
+        return to_cpu(
+            {
+                # no tensor leaves: the scalars travel on the current CUDA device, as NCCL needs
+                "scalars": xcoll.reduce({"n": r + 1, "x": 0.5}, group=group),
+                "gather": xcoll.gather({"v": torch.full((1,), float(r), device="cuda")}, group=group),
+            }
+        )
+    finally:
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl: needs two CUDA devices (one per rank)")
+def test_an_nccl_group_carries_scalars_and_cuda_leaves():
+    out = shared_pool("gloo-2").run(_on_an_nccl_group, [None] * 2)
+    for o in out:
+        assert o["scalars"] == {"n": 3, "x": 1.0}, o
+        assert torch.equal(o["gather"]["v"], torch.tensor([0.0, 1.0])), o
+
+
 # ---- the same results on XLA and gloo ----------------------------------------------
 
 
