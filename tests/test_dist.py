@@ -319,6 +319,44 @@ def test_a_large_leaf_travels_alone_after_the_rest(gloo):
     assert gloo.run(_count_alone, [None] * gloo.world_size) == [expected] * gloo.world_size
 
 
+def _sixteen_bits(rank, world):
+    # 4 elements per replica's part (8 bytes), every bit pattern drawn alike:
+    # NaNs with payloads, infinities, subnormals, negative zero
+    bits = ((torch.arange(4 * world) * 4099 + rank * 977 + 0x7C01) % 65536 - 32768).to(torch.int16)
+    return {"h": bits.view(torch.float16), "b": bits.flip(0).view(torch.bfloat16), "i": bits}
+
+
+def _sixteen_bits_alone(_):
+    from xcoll._core import ops as _ops
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    x = _sixteen_bits(r, w)
+    with _ops.tuned(alone=16, widen=0):  # (each leaf its own int16 buffer, as a leaf of 16 MiB would be)
+        return {
+            "gather": xcoll.gather(x),
+            "broadcast": xcoll.broadcast(x, src=w - 1),
+            "all_to_all": xcoll.all_to_all(x),
+            "reduce_scatter": xcoll.reduce_scatter({"i": x["i"]}),
+        }
+
+
+def test_sixteen_bit_leaves_that_travel_alone_arrive_bit_for_bit(gloo):
+    # Gloo has no int16 collective: an int16 buffer (float16 and bfloat16 as
+    # their bits) moves as its bytes and is reduced widened to int32.
+    w = gloo.world_size
+    every = [_sixteen_bits(r, w) for r in range(w)]
+    out = gloo.run(_sixteen_bits_alone, [None] * w)
+    for r, o in enumerate(out):
+        part = slice(4 * r, 4 * (r + 1))
+        expected = {
+            "gather": {k: torch.cat([e[k] for e in every]) for k in every[0]},
+            "broadcast": every[-1],
+            "all_to_all": {k: torch.cat([e[k][part] for e in every]) for k in every[0]},
+            "reduce_scatter": {"i": torch.stack([e["i"][part] for e in every]).sum(0, dtype=torch.int16)},
+        }
+        assert_trees(o, expected, same_bits, r)
+
+
 # ---- sub-groups --------------------------------------------------------------------
 
 
