@@ -142,14 +142,7 @@ class DistTransport(Transport):
         if buf.dtype in _WIDER:
             return self.all_gather(buf.view(torch.uint8)).view(buf.dtype)
         out = buf.new_empty(self.world * buf.shape[0])  # (buffers are 1-d)
-        pg = self._group()
-        try:
-            work = pg._allgather_base(out, buf, _GATHER)
-        except (RuntimeError, NotImplementedError):
-            # A backend without it: the list form, writing into views of ``out``.
-            self._start(pg.allgather, [list(out.chunk(self.world))], [buf], _GATHER)
-            return out
-        self._pending += [work]
+        self._start(self._group()._allgather_base, out, buf, _GATHER)
         return out
 
     def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
