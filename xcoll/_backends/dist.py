@@ -165,8 +165,7 @@ class DistTransport(Transport):
         return out
 
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
-        if buf.dtype in _WIDER:
-            return self.all_to_all(buf.view(torch.uint8)).view(buf.dtype)
+        # (never int16: an all-to-all's wire is one joined int32 buffer)
         out = torch.empty_like(buf)
         self._start(self._group().alltoall_base, out, buf, [], [], _ALL_TO_ALL)
         return out
@@ -190,7 +189,7 @@ class DistTransport(Transport):
     def _start(self, collective: Callable[..., Any], *args: Any) -> None:
         try:
             self._pending += [collective(*args)]
-        except RuntimeError as e:  # a connection closed by an earlier timeout
+        except RuntimeError as e:  # the engine refused to start it (gloo checks its arguments)
             raise EngineError(str(e)) from e
 
     def wait(self) -> None:
