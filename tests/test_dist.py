@@ -455,6 +455,45 @@ def test_an_nccl_group_carries_scalars_and_cuda_leaves():
         assert torch.equal(o["gather"]["v"], torch.tensor([0.0, 1.0])), o
 
 
+# ---- the transport's own errors ------------------------------------------------------
+
+
+def _transport_errors(_):
+    import gc
+
+    from xcoll._backends.base import EngineError
+    from xcoll._backends.dist import DistTransport
+
+    pg = dist.new_group([0, 1])
+    t = DistTransport(None, None, pg)  # as on the default group: the transport holds it weakly
+    raised = {}
+    try:  # a collective that gloo refuses as it starts (xcoll's own calls check src first)
+        t.broadcast(torch.zeros(2), src=5)
+    except EngineError as e:
+        raised["start"] = (str(e), str(e.__cause__))
+    # The default group destroyed while a call runs (another thread's
+    # destroy_process_group): the group is gone when the collective starts.
+    dist.destroy_process_group(pg)
+    del pg
+    gc.collect()
+    try:
+        t.all_gather(torch.zeros(2))
+    except EngineError as e:
+        raised["destroyed"] = str(e)
+    return raised
+
+
+def test_a_collective_that_cannot_start_or_whose_group_is_gone_raises_an_engine_error():
+    # (an EngineError is what the guard diagnoses on every replica, and it
+    # keeps the engine's own message)
+    for raised in shared_pool("gloo-2").run(_transport_errors, [None] * 2):
+        message = "ProcessGroupGloo::broadcast: invalid root rank: 5"
+        assert raised == {
+            "start": (message, message),
+            "destroyed": "the process group was destroyed (dist.destroy_process_group)",
+        }, raised
+
+
 # ---- the same results on XLA and gloo ----------------------------------------------
 
 
