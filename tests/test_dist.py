@@ -487,11 +487,9 @@ def test_a_collective_that_cannot_start_or_whose_group_is_gone_raises_an_engine_
     # (an EngineError is what the guard diagnoses on every replica, and it
     # keeps the engine's own message)
     for raised in shared_pool("gloo-2").run(_transport_errors, [None] * 2):
-        message = "ProcessGroupGloo::broadcast: invalid root rank: 5"
-        assert raised == {
-            "start": (message, message),
-            "destroyed": "the process group was destroyed (dist.destroy_process_group)",
-        }, raised
+        message, engines = raised["start"]  # (gloo's words: "...: invalid root rank: 5")
+        assert message == engines and "root rank" in message, raised
+        assert raised["destroyed"] == "the process group was destroyed (dist.destroy_process_group)"
 
 
 # ---- the same results on XLA and gloo ----------------------------------------------
