@@ -390,6 +390,8 @@ def _barriers(which):
     xcoll.barrier()  # (as above)
     try:
         with xcoll.step("s" if which == "lines" else f"s{r}"):
+            # (one call written twice: under "lines", rank 0's is made from
+            # another line than the others', so their places differ)
             if r == 0 or which != "lines":
                 xcoll.barrier("end")
             else:
