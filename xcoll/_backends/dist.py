@@ -165,7 +165,8 @@ class DistTransport(Transport):
         return out
 
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
-        # (never int16: an all-to-all's wire is one joined int32 buffer)
+        # (never int16, which gloo refuses as it starts: an all-to-all's wire is
+        # one joined int32 buffer)
         out = torch.empty_like(buf)
         self._start(self._group().alltoall_base, out, buf, [], [], _ALL_TO_ALL)
         return out
