@@ -477,6 +477,10 @@ def _transport_errors(_):
     from xcoll._backends.dist import DistTransport
 
     pg = dist.new_group([0, 1])
+    # (gloo connects a new group's pairs as it is made, and one rank may return
+    # first: destroyed below before the other had connected, the group's making
+    # failed there with "Connection closed by peer". The barrier waits for both.)
+    dist.barrier(group=pg)
     t = DistTransport(None, None, pg)  # as on the default group: the transport holds it weakly
     raised = {}
     try:  # a collective that gloo refuses as it starts (xcoll's own calls check src first)
