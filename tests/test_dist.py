@@ -319,12 +319,13 @@ def test_a_large_leaf_travels_alone_after_the_rest(gloo):
     assert gloo.run(_count_alone, [None] * gloo.world_size) == [expected] * gloo.world_size
 
 
-# Per 16-bit dtype, four bit patterns: float16's and bfloat16's a NaN with a
-# payload, an infinity, a subnormal and negative zero; int16's extremes, -1, 1.
+# Per leaf, its 16-bit dtype and four bit patterns: float16's and bfloat16's a
+# NaN with a payload, an infinity, a subnormal and negative zero; int16's
+# extremes, -1, 1.
 _PATTERNS = {
-    torch.float16: (0x7C01, 0xFC00, 0x0001, 0x8000),
-    torch.bfloat16: (0xFF81, 0x7F80, 0x0001, 0x8000),
-    torch.int16: (0x7FFF, 0x8000, 0xFFFF, 0x0001),
+    "h": (torch.float16, (0x7C01, 0xFC00, 0x0001, 0x8000)),
+    "b": (torch.bfloat16, (0xFF81, 0x7F80, 0x0001, 0x8000)),
+    "i": (torch.int16, (0x7FFF, 0x8000, 0xFFFF, 0x0001)),
 }
 
 
@@ -332,12 +333,11 @@ def _sixteen_bits(rank, world):
     """Rank ``rank``'s leaves: per dtype, ``world`` parts of its four patterns,
     part ``j`` rotated by ``rank + j`` (each part holds every pattern, and each
     replica's leaf is its own)."""
-
-    def leaf(dtype):
-        bits = torch.tensor([b - 65536 if b >= 32768 else b for b in _PATTERNS[dtype]], dtype=torch.int16)
-        return torch.cat([bits.roll(-(rank + j)) for j in range(world)]).view(dtype)
-
-    return {"h": leaf(torch.float16), "b": leaf(torch.bfloat16), "i": leaf(torch.int16)}
+    out = {}
+    for name, (dtype, patterns) in _PATTERNS.items():
+        bits = torch.tensor(patterns, dtype=torch.int32).to(torch.int16)  # (wraps: 0x8000 is -32768)
+        out[name] = torch.cat([bits.roll(-(rank + j)) for j in range(world)]).view(dtype)
+    return out
 
 
 def _sixteen_bits_alone(_):
