@@ -309,10 +309,11 @@ def test_a_sync_of_one_group_completes_that_groups_calls_alone(gloo):
     assert gloo.run(_synced_by_group, [None] * w) == [("CollectiveMismatchError", True, [1.0] * 2 * w)] * w
 
 
-def _completed_during_another_threads_call(_=None):
-    """A call in flight completed (its output used) while another thread of
-    this process is inside a call on the same group: on a fresh group, which
-    this makes unusable."""
+def _completed_by_another_threads_call(_=None):
+    """A call in flight, then another thread of this process enters a call on
+    the same group (on a fresh group): its entry completes the call in
+    flight first, in order, so this thread's use of an output overlaps
+    nothing."""
     import threading
 
     import torch.distributed as dist
@@ -327,32 +328,25 @@ def _completed_during_another_threads_call(_=None):
 
     def other():
         t = _backends.current(group)
-        try:  # (entered as a public call is, in mode "never": no collective)
-            with xcoll.consistency_checks("never"), _entry.entered(t, "xcoll.other", "", _check.Description(())):
-                inside.set()
-                done.wait(60)
-        except xcoll.ConcurrentCallError:
-            pass
+        # (entered as a public call is, in mode "never": no collective of its own)
+        with xcoll.consistency_checks("never"), _entry.entered(t, "xcoll.other", "", _check.Description(())):
+            inside.set()
+            done.wait(60)
 
     thread = threading.Thread(target=other, daemon=True)
     thread.start()
     assert inside.wait(60)
-    try:
-        out + 1
-        got = "completed"
-    except xcoll.ConcurrentCallError as e:
-        got = str(e).split(" from thread")[0]
+    completed = out._call.outputs is not None
+    got = (out + 1).tolist()
     done.set()
     thread.join(60)
-    return got
+    return completed, got
 
 
-def test_a_call_in_flight_completed_during_another_threads_call_raises():
-    # (one thread per group, as for calls: its completion claims the group, as
-    # the call it completes, by name)
+def test_a_call_in_flight_is_completed_by_another_threads_call_on_its_group():
     pool = shared_pool("gloo-2")
-    got = pool.run(_completed_during_another_threads_call, [None] * 2)
-    assert got == [f"xcoll.gather: called on rank {r} of the group (global rank {r})" for r in range(2)], got
+    got = pool.run(_completed_by_another_threads_call, [None] * 2)
+    assert got == [(True, [1.0, 1.0, 2.0, 2.0])] * 2, got
 
 
 def _a_call_meanwhile(group=None):
@@ -527,3 +521,79 @@ def test_a_completed_call_is_freed_with_its_outputs(gloo):
     # (kept as the group's latest call in flight, its outputs would live
     # until the group's next call)
     assert gloo.run(_freed, [None] * gloo.world_size) == [True] * gloo.world_size
+
+
+# ---- collectives in the calls' order, whoever reads first ------------------------
+
+
+def _two_dtypes(rank):
+    # (two buckets over 4 KiB: two collectives, the second after the first's header)
+    return {"a": torch.ones(1) * (rank + 1), "b": torch.full((512,), 1000.5 + rank, dtype=torch.float64)}
+
+
+def _next_calls(rank):
+    """The calls a replica makes after the call in flight, by the test's name."""
+    return {
+        "two dtypes": lambda: xcoll.reduce(_two_dtypes(rank)),
+        "metrics": lambda: xcoll.reduce({"loss": torch.tensor(0.5 * rank), "count": torch.tensor(rank)}),
+        "gather next": lambda: xcoll.gather(torch.arange(3.0) + rank),
+        "17 MiB gather": lambda: xcoll.reduce(_two_dtypes(rank), "max"),
+        "barrier next": lambda: xcoll.barrier("next"),
+        "object next": lambda: xcoll.gather_object({"rank": rank}),
+    }
+
+
+def _in_flight_call(case, rank):
+    if case == "metrics":
+        return lambda **k: xcoll.reduce({"loss": torch.tensor(0.25 + rank), "count": torch.tensor(3 + rank)}, **k)
+    if case == "17 MiB gather":  # (a bucket of 16 MiB or more travels alone: two collectives)
+        big = {"big": torch.arange(17 << 18, dtype=torch.float32) + rank, "small": torch.ones(3) * rank}
+        return lambda **k: xcoll.gather(big, **k)
+    return lambda **k: xcoll.reduce(_two_dtypes(rank), **k)
+
+
+def _read_early_by_some(args):
+    """A call in flight read (printed) by ``readers`` alone before the next
+    call, which every replica then makes (or a raw ``dist.all_reduce``);
+    the others read it after. Every value is the blocking calls'."""
+    import io
+
+    import torch.distributed as dist
+
+    case, readers = args
+    rank = xcoll.rank()
+    call = _in_flight_call(case, rank)
+    raw = case.startswith("raw")
+    after = None if raw else _next_calls(rank)[case]
+    want = to_cpu(call())
+    want_after = None if raw else to_cpu(after())
+    got = call(sync=False)
+    if rank in readers:
+        print(got, file=io.StringIO())  # (as rank-0 logging does)
+    if raw:
+        t = torch.arange(4.0) * (rank + 1)
+        dist.all_reduce(t)
+        got_after = t
+    else:
+        got_after = to_cpu(after())
+    out = to_cpu(got)
+    w = xcoll.world_size()
+    if raw:
+        want_after = torch.arange(4.0) * (w * (w + 1) // 2)
+    return _equal(out, want), _equal(got_after, want_after)
+
+
+def _equal(got, want) -> bool:
+    pairs = zip(leaves(got), leaves(want), strict=True)
+    return all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in pairs)
+
+
+_ORDER_CASES = ["two dtypes", "metrics", "gather next", "17 MiB gather", "barrier next", "object next", "raw dist"]
+
+
+@pytest.mark.parametrize("case", _ORDER_CASES)
+@pytest.mark.parametrize("readers", ["rank 0", "the others"])
+def test_a_call_in_flight_read_early_by_some_replicas_keeps_the_calls_order(gloo, case, readers):
+    w = gloo.world_size
+    who = [0] if readers == "rank 0" else list(range(1, w))
+    assert gloo.run(_read_early_by_some, [(case, who)] * w, timeout=240) == [(True, True)] * w

@@ -16,8 +16,8 @@ import torch
 from . import _backends
 from ._core import grad as _grad
 from ._core import ops as _ops
-from ._core import pending as _pending
 from ._core import uneven as _uneven
+from ._guard import order as _order
 from ._guard import verdict as _verdict
 from ._guard import watchdog as _watchdog
 
@@ -580,7 +580,7 @@ def sync(group: Any = None) -> None:
         return
     transport = _backends.current(group)
     if not transport.lazy:
-        _pending.sync(None if group is None else transport.group_key)
+        _order.sync(None if group is None else transport.group_key)
         return
     if transport.world == 1:
         transport.sync()

@@ -39,6 +39,7 @@ from .._encode import pack as _pack
 from .._encode import wire as _wire
 from .._guard import entry as _entry
 from .._guard import header as _header
+from .._guard import order as _order
 from .._guard import verdict as _verdict
 from .._guard import watchdog as _watchdog
 from . import pending as _pending
@@ -148,9 +149,9 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     wires = _wires(r, flat, transport, mine)
     if not sync and not transport.lazy:
         return InFlight.started(r, flat, transport, signature, mine, wires), True
-    results, rest = _start(r, transport, wires)
+    results, read = _start(r, transport, wires, signature, mine)
     del wires
-    results = _complete(r, transport, results, rest, signature, mine)
+    results = _complete(r, transport, results, read, signature, mine)
     late = _arrived(r, transport, results[0]) if r.guard and r.guard.when == "last" else None
     out = _outputs(r, flat, transport, signature, mine, results, sync, to_cpu)
     return out, late is None or (mine is not None and late == mine.wire)
@@ -219,12 +220,15 @@ def _wires(r: Recipe, flat, transport: Transport, mine) -> list[torch.Tensor]:
     return r.op.wires(r, transport, parts, head)
 
 
-def _start(r: Recipe, transport: Transport, wires) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Starts the call's first collective, and the others unless the first
-    one's header is to be read before they start (:func:`_complete`);
-    returns the results started and the wires still to send. A small first
-    one is sent in the one size class of :data:`~xcoll._encode.pack.SMALL`
-    bytes (:attr:`Recipe.first`)."""
+def _start(r: Recipe, transport: Transport, wires, signature, mine) -> tuple[list[torch.Tensor], bool]:
+    """Starts every collective of the call, in order; returns their results,
+    and whether the first one's header has been read. Where it is to be read
+    before the others start (:attr:`Recipe.early`: a call whose buckets
+    differ in number stops there), and there are others, it is waited for
+    and read first, so that a call has started all its collectives when it
+    returns, in flight or not: a completion starts none
+    (:mod:`xcoll._guard.order`). A small first one is sent in the one size
+    class of :data:`~xcoll._encode.pack.SMALL` bytes (:attr:`Recipe.first`)."""
     n, size = r.first  # (every element size divides SMALL)
     wire = wires[0]
     if size and r.segments > 1:
@@ -233,30 +237,33 @@ def _start(r: Recipe, transport: Transport, wires) -> tuple[list[torch.Tensor], 
         wire = wire.new_zeros(size)
         wire[:n] = wires[0]
     results = [r.op.send(transport, wire, 0, r)]
-    if r.early:
-        return results, wires[1:]
-    # (eager engines start every collective asynchronously)
-    return results + [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)], []
-
-
-def _complete(r: Recipe, transport: Transport, results, rest, signature, mine) -> list[torch.Tensor]:
-    """Every collective's result, waited for. On an eager engine the first
-    one's header is checked before the others start (a call whose buckets
-    differ in number stops there); a small first one's padding is cut from
-    its result (a gather's rows stay padded: its segments are cut from each
-    row by offset)."""
-    transport.wait()
-    if not r.early:
-        return results
-    n, size = r.first
-    if size and r.rows == 1:  # (a small first one's padding)
-        results[0] = results[0][:n]
-    if _arrived(r, transport, results[0]) != mine.wire:  # (as :func:`_check`)
-        _verdict.fire(transport, signature)
-    if rest:
-        results += [r.op.send(transport, w, k, r) for k, w in enumerate(rest, 1)]
+    read = r.early and len(wires) > 1
+    if read:
         transport.wait()
+        results[0] = _first(r, transport, results[0], signature, mine)
+    # (eager engines start every collective asynchronously)
+    return results + [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)], read
+
+
+def _complete(r: Recipe, transport: Transport, results, read: bool, signature, mine) -> list[torch.Tensor]:
+    """Every collective's result, waited for, the first one's header read
+    where it is read early and was not yet (:func:`_start`)."""
+    transport.wait()
+    if r.early and not read:
+        results[0] = _first(r, transport, results[0], signature, mine)
     return results
+
+
+def _first(r: Recipe, transport: Transport, result, signature, mine) -> torch.Tensor:
+    """The first collective's ``result``, arrived, its header checked (as
+    :func:`_check`), a small one's padding cut (a gather's rows stay padded:
+    its segments are cut from each row by offset)."""
+    n, size = r.first
+    if size and r.rows == 1:
+        result = result[:n]
+    if _arrived(r, transport, result) != mine.wire:
+        _verdict.fire(transport, signature)
+    return result
 
 
 def _padded(wire: torch.Tensor, segments: int, size: int) -> torch.Tensor:
@@ -368,15 +375,14 @@ def _unread(name: str, rank: str, seconds: float) -> str:
     )
 
 
-class InFlight(_pending.Call):
-    """A ``sync=False`` call on an eager engine, its first collective (or
-    all of them, where no header is read early) started: completed, in
-    order, by :mod:`xcoll._core.pending`."""
+class InFlight(_order.Call):
+    """A ``sync=False`` call on an eager engine, all of its collectives
+    started (:func:`_start`): completed, in order, by :mod:`xcoll._guard.order`."""
 
-    def __init__(self, r: Recipe, flat, transport: Transport, signature, mine, results, rest):
+    def __init__(self, r: Recipe, flat, transport: Transport, signature, mine, results, read: bool):
         super().__init__(transport.group_key, signature.name if signature else r.op.name)
         self.r, self.flat, self.transport, self.signature, self.mine = r, flat, transport, signature, mine
-        self.results, self.rest = results, rest
+        self.results, self.read = results, read
         self.likes: list[Any] = []
 
     @classmethod
@@ -386,11 +392,11 @@ class InFlight(_pending.Call):
         its inputs at once: a wire that is an input's own bytes is copied)."""
         inputs = {_storage(flat.leaves[i]) for i in flat.tensors}
         wires = [w.clone() if _storage(w) in inputs else w for w in wires]
-        results, rest = _start(r, transport, wires)
+        results, read = _start(r, transport, wires, signature, mine)
         del wires
-        call = cls(r, flat, transport, signature, mine, results, rest)
-        _pending.started(call)
-        call.likes = _likes.get(id(r), _meta_outputs, r, flat, transport, results, rest)[1]
+        call = cls(r, flat, transport, signature, mine, results, read)
+        _order.started(call)
+        call.likes = _likes.get(id(r), _meta_outputs, r, flat, transport, results)[1]
         device = transport.device
         return [
             None if like is None else _pending.PendingTensor(call, i, like, device)
@@ -415,8 +421,8 @@ class InFlight(_pending.Call):
 
     def _complete(self) -> list[Any]:
         r, t, mine, signature = self.r, self.transport, self.mine, self.signature
-        results = _complete(r, t, self.results, self.rest, signature, mine)
-        self.results = self.rest = []
+        results = _complete(r, t, self.results, self.read, signature, mine)
+        self.results = []
         late = _arrived(r, t, results[0]) if r.guard and r.guard.when == "last" else None
         out = _outputs(r, self.flat, t, signature, mine, results, True, False)
         self.flat = None
@@ -441,13 +447,10 @@ def _storage(t: torch.Tensor) -> int:
 _likes: _memo.Memo[tuple[Recipe, list[Any]]] = _memo.Memo(locked=True)
 
 
-def _meta_outputs(r: Recipe, flat, transport: Transport, results, rest) -> tuple[Recipe, list[Any]]:
+def _meta_outputs(r: Recipe, flat, transport: Transport, results) -> tuple[Recipe, list[Any]]:
     """The outputs of ``r`` as meta tensors (their shapes, dtypes and
-    strides): its decoding run once on meta tensors of its results' shapes,
-    the collectives not yet started included (a result has ``rows`` times
-    its wire's elements, over its ``segments``)."""
+    strides): its decoding run once on meta tensors of its results' shapes."""
     metas = [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in results]
-    metas += [torch.empty(w.numel() * r.rows // r.segments, dtype=w.dtype, device="meta") for w in rest]
     n, size = r.first
     if size and r.rows == 1:  # (as :func:`_complete` cuts it)
         metas[0] = metas[0][:n]

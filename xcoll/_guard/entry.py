@@ -13,6 +13,7 @@ from typing import Any
 
 from .._backends.base import EngineError, Transport
 from . import check as _check
+from . import order as _order
 from . import steps as _steps
 from . import watchdog as _watchdog
 from .header import EXACT_SUMS, Signature
@@ -64,6 +65,10 @@ class entered:
         t, error, self.error = self.transport, self.error, None  # (see the finally below)
         self.claimed = claim(t, self.name)
         try:
+            # (the calls in flight on this group complete first, in order: the
+            # one collective a completion may start, the exchange naming a
+            # difference, is then the next on the group on every replica)
+            _order.sync(t.group_key)
             if t.lazy:  # (an earlier sync=False call's verdict, where a sync has run it)
                 t.settle()
             try:

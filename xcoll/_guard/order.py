@@ -1,0 +1,113 @@
+"""The order of calls in flight on a group: collectives pair by order, so
+every replica must make them in the order of its calls, whatever it reads
+first or when.
+
+A call made with ``sync=False`` on an eager engine starts every one of its
+collectives before it returns (:mod:`xcoll._core.execute`), and is put last
+in its group's order here (:func:`started`). It completes (its collectives
+waited for, its guard read, its outputs decoded) at the first of: the first
+use of an output, :func:`sync`, or the group's next call of any kind
+(:func:`sync` at its entry, :mod:`xcoll._guard.entry`), and always after
+the earlier calls on its group (:func:`completed`), whichever thread made
+them. So the only collective a completion may start, the exchange that
+names a difference where the guard disagrees, is the next collective on
+the group on every replica: each replica completes the call before its next
+call on the group, as the first of them reads an output or not.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from typing import Any
+
+from . import verdict as _verdict
+from . import watchdog as _watchdog
+
+
+class Call(ABC):
+    """One ``sync=False`` call in flight, in its order on its group."""
+
+    def __init__(self, group: Hashable, name: str) -> None:
+        self.group, self.name = group, name
+        # (the earlier call in flight on its group: it completes first)
+        self.earlier: Call | None = None
+        self.outputs: list[Any] | None = None
+        self.failed: str | None = None  # (why it could not complete)
+
+    @abstractmethod
+    def complete(self) -> list[Any]:
+        """Waits for the call's collectives, reads its guard (raising
+        :class:`~xcoll.CollectiveMismatchError` where the replicas' calls
+        differ) and returns its output leaves."""
+
+    def output(self, leaf: int) -> Any:
+        """Output leaf ``leaf``, completing the call (and the earlier ones
+        on its group) first if it has not completed."""
+        if self.outputs is None:
+            completed(self)
+        if self.outputs is None:
+            raise RuntimeError(
+                f"{self.name}: this output does not exist: the call made with sync=False "
+                f"failed when it completed ({self.failed})"
+            )
+        return self.outputs[leaf]
+
+
+_lock = threading.RLock()  # (an output may be used from another thread)
+# {group: the latest call in flight on it}. Per group, not per thread: the
+# calls on a group complete in their order on every replica, whichever thread
+# made a call or completes it.
+_latest: dict[Hashable, Call] = {}
+
+
+def started(call: Call) -> None:
+    """Puts ``call`` last in its group's order."""
+    with _lock:
+        call.earlier = _latest.get(call.group)
+        _latest[call.group] = call
+
+
+def completed(call: Call) -> None:
+    """Completes ``call``, after the earlier calls on its group."""
+    with _lock:
+        chain = []
+        c: Call | None = call
+        while c is not None and c.outputs is None and c.failed is None:
+            chain.append(c)
+            c = c.earlier
+        try:
+            for c in reversed(chain):
+                c.earlier = None
+                try:
+                    with _watchdog.watch(functools.partial(_waited, c.name)):
+                        c.outputs = c.complete()
+                except BaseException as e:
+                    c.failed = f"{type(e).__name__}: {e}"
+                    raise
+        finally:
+            # (a completed call is no longer in flight: kept here, its outputs
+            # would live until the group's next call, whoever else holds them)
+            # (one that an earlier call's failure left in flight stays in order)
+            if _latest.get(call.group) is call and (call.outputs is not None or call.failed):
+                del _latest[call.group]
+
+
+def sync(group: Hashable | None = None) -> None:
+    """Completes the process's calls in flight (on ``group``'s key only, if
+    given). Free where none is in flight: it runs at every call's entry."""
+    if not _latest:
+        return
+    with _lock:
+        latest = [c for k, c in _latest.items() if group is None or k == group]
+    for call in latest:
+        completed(call)
+
+
+def _waited(name: str, seconds: float) -> str:
+    return (
+        f"xcoll: {name} made with sync=False has waited {seconds:.0f} s to complete: its "
+        f"collectives wait for the other replicas. {_verdict.causes(False)}"
+    )
