@@ -597,3 +597,96 @@ def test_a_call_in_flight_read_early_by_some_replicas_keeps_the_calls_order(gloo
     w = gloo.world_size
     who = [0] if readers == "rank 0" else list(range(1, w))
     assert gloo.run(_read_early_by_some, [(case, who)] * w, timeout=240) == [(True, True)] * w
+
+
+# ---- the tensor API of an output in flight ------------------------------------
+
+
+def _storage_api(_=None):
+    """What reads an output's storage itself (which a wrapper has none of):
+    each completes the call and reads the value's."""
+    x = torch.arange(6.0).reshape(2, 3) + xcoll.rank()
+    want = xcoll.gather(x)
+    a, b = xcoll.gather(x, sync=False), xcoll.gather(x * 2, sync=False)
+    ptrs = a.data_ptr(), b.data_ptr()
+    dl = torch.from_dlpack(xcoll.gather(x, sync=False))
+    shared = xcoll.gather(x, sync=False)
+    same = shared.share_memory_() is shared
+    storage = xcoll.gather(x, sync=False).untyped_storage()
+    return (
+        ptrs[0] != ptrs[1] and 0 not in ptrs,
+        torch.equal(dl, want),
+        same and shared.is_shared() and torch.equal(shared, want),
+        bytes(storage) == want.numpy().tobytes(),
+        torch.equal(torch.tensor(xcoll.gather(x, sync=False).storage().tolist()).view(want.shape), want),
+    )
+
+
+def test_outputs_in_flight_read_their_values_storage(gloo):
+    w = gloo.world_size
+    assert gloo.run(_storage_api, [None] * w) == [(True,) * 5] * w
+
+
+# (the zero-argument methods whose outputs are the same on a value and on an
+# output in flight: those that draw random numbers, or name an object, differ)
+_OWN = {"__hash__", "__getstate__", "__dlpack__", "data_ptr", "__iter__", "__sizeof__", "__dir__", "__init_subclass__"}
+
+
+def _every_method(_=None):
+    """Every zero-argument method of a tensor, on an output in flight and on
+    the blocking call's value: each completes the call and gives the value's
+    outcome (the same exception, or the same result for the deterministic
+    ones); none crashes the process."""
+    import contextlib
+    import io
+    import warnings
+
+    warnings.simplefilter("ignore")
+    x = torch.arange(6.0).reshape(2, 3) + xcoll.rank()
+    want = xcoll.gather(x)
+    differ = {}
+    for name in sorted(dir(torch.Tensor)):
+        if name.startswith("__") and name not in ("__array__", "__repr__", "__len__", "__dlpack_device__"):
+            continue
+        if not callable(getattr(torch.Tensor, name)) or name in _OWN:
+            continue
+        outcomes = []
+        for t in (xcoll.gather(x, sync=False), want.clone()):
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    outcomes.append(repr(getattr(t, name)()))
+            except Exception as e:
+                outcomes.append(type(e).__name__)
+        if outcomes[0] != outcomes[1] and not name.endswith("_"):  # (in place: random draws)
+            differ[name] = outcomes
+    return differ
+
+
+def test_every_method_of_an_output_in_flight_gives_its_values_outcome(gloo):
+    w = gloo.world_size
+    assert gloo.run(_every_method, [None] * w) == [{}] * w
+
+
+def _dropped(_=None):
+    """Calls in flight whose outputs are dropped unused: the RSS (MB) after
+    300 of them, and after 3,000."""
+    import gc
+
+    x = torch.ones(1 << 14) * xcoll.rank()  # (64 KiB)
+
+    def rss() -> float:
+        gc.collect()
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    for _ in range(300):
+        xcoll.gather(x, sync=False)
+    after_300 = rss()
+    for _ in range(2700):
+        xcoll.gather(x, sync=False)
+    return after_300, rss()
+
+
+def test_outputs_dropped_unused_release_their_buffers(gloo):
+    for after_300, after_3000 in gloo.run(_dropped, [None] * gloo.world_size, timeout=600):
+        assert after_3000 - after_300 < 20, (after_300, after_3000)

@@ -59,6 +59,21 @@ class PendingTensor(torch.Tensor):
         """The output, once the call has completed (completing it now if not)."""
         return self._call.output(self._leaf)
 
+    # (what reads the storage itself, which a wrapper has none of, bypassing
+    # the dispatch: of the value; ``share_memory_`` and ``is_shared`` read
+    # ``untyped_storage``, so they share and read the value's)
+    def data_ptr(self) -> int:
+        return self.value().data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return self.value().untyped_storage()
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.value().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self.value().__dlpack_device__()
+
     def tolist(self) -> Any:
         return self.value().tolist()
 
