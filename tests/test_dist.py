@@ -115,7 +115,14 @@ def _count_calls(n_leaves, big=2, widen=None):
         for i in range(n_leaves)
     }
     calls = {}
-    with engine_calls() as engine, _ops.tuned(**({} if widen is None else {"widen": widen})):
+    changes = {} if widen is None else {"widen": widen}
+    with engine_calls() as engine, _ops.tuned(**changes):
+        # (a guarded call of at most 4 KiB is one all-gather, whatever its
+        # buckets: docs/reliability.md; the buckets' own collectives are those
+        # of an unguarded call, and of a larger one)
+        xcoll.reduce(tree, "sum")
+        calls["guarded sum"] = dict(collections.Counter(name for name, _ in engine))
+    with engine_calls() as engine, _ops.tuned(**changes), xcoll.consistency_checks("never"):
         for what, fn in [
             ("gather", lambda: xcoll.gather(tree)),
             ("sum", lambda: xcoll.reduce(tree, "sum")),
@@ -152,6 +159,7 @@ def _expected(what: str, leaf: torch.Tensor, i: int) -> torch.Tensor:
 @pytest.mark.parametrize("n_leaves", [5, 60])
 def test_one_collective_call_per_move_and_per_reduced_bucket(gloo, n_leaves):
     expected = {
+        "guarded sum": {GATHER: 1},
         "gather": {GATHER: 1},  # every dtype in one buffer
         # bfloat16 joins float32 (it accumulates in float32 anyway), int32 and
         # uint8 join int64 (every value fits; sums wrap the same once cast back)
@@ -190,7 +198,8 @@ def _wrapping(_):
         expected = {k: per_leaf(t, op) for k, t in x.items()}
         got = []
         for widen in (_ops.Tuning().widen, 0):
-            with engine_calls() as engine, _ops.tuned(widen=widen):
+            # (unguarded: a guarded call this small is one all-gather)
+            with engine_calls() as engine, _ops.tuned(widen=widen), xcoll.consistency_checks("never"):
                 result = xcoll.reduce(x, op)
             got.append(sum(name == "allreduce" for name, _ in engine))
             got.append(
@@ -262,7 +271,9 @@ def _each_widest(_):
             expected = {k: per_leaf(t.dtype, op) for k, t in tree.items()}
             got = [str(widest).removeprefix("torch."), op]
             for widen in (_ops.Tuning().widen, 0):
-                with engine_calls() as engine, _ops.tuned(widen=widen):
+                # (unguarded: a guarded call this small is one all-gather)
+                never = xcoll.consistency_checks("never")
+                with engine_calls() as engine, _ops.tuned(widen=widen), never:
                     result = xcoll.reduce(tree, op)
                 got.append(sum(name == "allreduce" for name, _ in engine))
                 same = [torch.equal(result[k], e) for k, e in expected.items()]
@@ -293,6 +304,7 @@ def _count_unwidened(_):
 
 def test_integers_too_large_to_widen_keep_their_own_collective(gloo):
     expected = {
+        "guarded sum": {GATHER: 1},
         "gather": {GATHER: 1},
         "sum": {"allreduce": 4},  # float32 with bfloat16; int64, int32, uint8 each
         "mean+max": {"allreduce": 4},
@@ -311,6 +323,7 @@ def _count_alone(_):
 def test_a_large_leaf_travels_alone_after_the_rest(gloo):
     # x000 (float32, 256 x 3: 3 KiB) alone; the header, x001 and x002 in one buffer
     expected = {
+        "guarded sum": {GATHER: 1},
         "gather": {GATHER: 2},
         "sum": {"allreduce": 2},
         "mean+max": {"allreduce": 2},

@@ -292,32 +292,18 @@ def test_a_header_that_differs_in_any_one_bit_is_a_clean_error_on_every_replica(
     """Where two replicas' fingerprints differ in one bit alone, at any of the
     64, whichever replica holds it: every replica raises
     CollectiveMismatchError (its descriptions agree, so it names no leaf), and
-    none returns or waits for the others; gloo's broadcast is one-sided: src
-    returns its own tree, a receiver raises."""
+    none returns or waits for the others (a small broadcast's header is summed
+    on every engine: every replica reads it)."""
     pool = shared_pool(world)
     w = pool.world_size
     got = pool.run(_one_bit_differs, [VERDICTS] * w, timeout=180)
+    expected = (
+        "the replicas' descriptions agree: their XCOLL_CHECK modes differ, a call "
+        "overlapped another on this process group, or a header changed in transit"
+    )
     for r, outcomes in enumerate(got):
         assert len(outcomes) == sum(len(bits) for *_, bits in VERDICTS)
         for name, bit, outcome in outcomes:
-            if name == "broadcast" and world.startswith("gloo"):
-                # one-sided: a receiver compares src's header with its own, so
-                # it raises where src's or its own bit is the flipped one
-                flipped = bit % w
-                raises = r != 0 and flipped in (0, r)
-                dtype = str(VERDICTS[-1][2]).removeprefix("torch.")
-                mine = (
-                    f"this replica's call (rank {r}: tag: tag='bit {bit}'; parameters: src=0 "
-                    f"to_cpu=False sync=True; 1 leaf: tree['x']: {dtype} tensor of shape (6); "
-                    "structure: PyTreeSpec({'x': *})) differs"
-                )
-                expected = mine if raises else "returned"
-                assert not raises or "differs from the call of src, rank 0" in outcome, outcome
-            else:
-                expected = (
-                    "the replicas' descriptions agree: their XCOLL_CHECK modes differ, a call "
-                    "overlapped another on this process group, or a header changed in transit"
-                )
             assert expected in outcome, (r, name, bit, outcome)
     assert pool.run(_ok, [None] * w) == [list(range(w))] * w
 
@@ -606,12 +592,6 @@ def test_a_small_later_call_whose_sizes_differ_raises_on_every_replica(world, ca
     results = pool.run(_small_later_difference, [case] * w)
     for rank, (text, after) in enumerate(results):
         assert after == float(w), (rank, text)  # the replicas go on
-        # (XLA's broadcast sums its header: every replica raises)
-        if case == "broadcast" and rank < w - 1 and world.startswith("gloo"):
-            # src returns its own tree (the one one-sided verdict), and a
-            # receiver whose call is src's gets src's tree
-            assert text == "no error: {'acc': tensor(0.2500), 'loss': tensor(0.5000), 'n': tensor(8)}"
-            continue
         assert text.startswith("xcoll."), (rank, text)
         if case == "missing key":
             assert "tree['acc']" in text, (rank, text)
@@ -685,21 +665,21 @@ def test_a_size_mismatch_on_gloo_kills_one_replica_and_the_others_raise(tmp_path
         ) or "replicas' calls differ" in out, out
 
 
-def _gloo_src(_):
+def _gloo_src(n):
     rank = xcoll.rank()
     xcoll.gather({"warm": torch.ones(1)})
-    out = xcoll.broadcast({"x": torch.full((2,), float(rank))}, src=rank)  # each names itself
+    out = xcoll.broadcast({"x": torch.full((n,), float(rank))}, src=rank)  # each names itself
     return f"returned {out}"
 
 
 def test_a_different_src_on_gloo_times_out_with_the_diagnosis():
-    # gloo's broadcast is a star from src: a replica that names itself src
-    # waits for receivers that never come, until the group's timeout; the
-    # watchdog names the call first (docs/reliability.md)
+    # gloo's broadcast is a star from src: in a call over 4 KiB, a replica
+    # that names itself src waits for receivers that never come, until the
+    # group's timeout; the watchdog names the call first (docs/reliability.md)
     from xcoll.testing import GlooPool
 
     with GlooPool(2, timeout=120, collective_timeout=7) as pool:
-        failures = pool.run(_gloo_src, [None, None], return_exceptions=True)
+        failures = pool.run(_gloo_src, [2048, 2048], return_exceptions=True)
         logs = pool.stderr_tail()
     assert all(not isinstance(f, str) for f in failures), failures
     for f in failures:
@@ -708,21 +688,33 @@ def test_a_different_src_on_gloo_times_out_with_the_diagnosis():
     assert "xcoll: xcoll.broadcast on rank" in logs, logs
 
 
-def _broadcast_keys(_):
+def test_a_small_broadcast_whose_src_differs_raises_on_every_replica():
+    # (a small call is one all-gather, whatever its kind: the replicas meet)
+    pool = shared_pool("gloo-2")
+    failures = pool.run(_gloo_src, [2, 2], return_exceptions=True)
+    for r, f in enumerate(failures):
+        assert f.type_name == MISMATCH, f
+        assert f"this replica (rank {r}) has parameters: src={r} " in f.message, f
+    assert pool.run(_ok, [None, None]) == [[0, 1]] * 2
+
+
+def _broadcast_keys(n):
     rank = xcoll.rank()
     dev = device()
     xcoll.gather({"warm": torch.ones(1).to(dev)})
-    tree = {("a" if rank == 0 else "b"): torch.ones(4).to(dev), "z": torch.arange(5).to(dev)}
+    tree = {("a" if rank == 0 else "b"): torch.ones(n).to(dev), "z": torch.arange(5).to(dev)}
     return f"returned {sorted(xcoll.broadcast(tree, src=0))}"  # two buckets
 
 
 def test_a_broadcast_receiver_raises_and_src_is_not_left_waiting():
-    # gloo's broadcast is a star from src: src learns nothing and returns its
-    # own tree; the receiver takes part in both buckets, then raises
+    # gloo's broadcast is a star from src: in a call over 4 KiB, src learns
+    # nothing and returns its own tree; the receiver takes part in both
+    # buckets, then raises
     pool = shared_pool("gloo-2")
-    out = pool.run(_broadcast_keys, [None, None], return_exceptions=True)
+    out = pool.run(_broadcast_keys, [1100, 1100], return_exceptions=True)
     assert out[0] == "returned ['a', 'z']", out
     assert out[1].type_name == MISMATCH and "src, rank 0" in out[1].message, out
     assert pool.run(_ok, [None, None]) == [[0, 1]] * 2
-    # XLA sums the header over every replica: every replica raises
-    _expect_every_rank_raises(shared_pool("xla-cpu-2"), _broadcast_keys, [None, None])
+    # a small call's header is summed, as XLA's every call's: every replica raises
+    _expect_every_rank_raises(pool, _broadcast_keys, [4, 4])
+    _expect_every_rank_raises(shared_pool("xla-cpu-2"), _broadcast_keys, [4, 4])

@@ -164,28 +164,30 @@ def test_a_sum_header_uses_the_most_bits_that_stay_exact():
 
 
 def _sent(_):
-    """The elements of each all-reduce of a 1-element float32 reduce (guarded,
-    then in mode never), on a group whose first call has been made."""
+    """Each collective of a 1-element float32 reduce (guarded, then in mode
+    never) and its elements, on a group whose first call has been made."""
     xcoll.gather(xcoll.rank())  # (a group's first call is checked in full)
     with engine_calls() as engine:
         x = torch.tensor([1.5 + xcoll.rank()])
         got = [xcoll.reduce(x).item()]
         with xcoll.consistency_checks("never"):
             got.append(xcoll.reduce(x).item())
-    return [t.numel() for name, t in engine if name == "allreduce"], got
+    return [(name, t.numel()) for name, t in engine], got
 
 
 @pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
 def test_a_small_guarded_reduce_sends_a_small_header(world):
-    # the header of a float32 sum is small; the guarded call travels in the
-    # size class of small calls (4 KiB: replicas whose later calls differ in
-    # size still meet), which costs gloo no more than the header's elements
-    # (gloo-small-messages: flat from W elements on); unguarded, 1 element
+    # the header of a float32 sum is small; the guarded call is one all-gather
+    # of the size class of small calls (4 KiB: replicas whose later calls
+    # differ in size or kind still meet), which costs gloo no more than the
+    # header's elements (gloo-small-messages: flat from W elements on);
+    # unguarded, an all-reduce of 1 element
     from xcoll._encode import pack
 
     pool = shared_pool(world)
     w = pool.world_size
     assert 1 + _header.alike_size(torch.float32, "sum", w) <= 16
     expected = sum(1.5 + r for r in range(w))
-    sent = [([pack.SMALL // 4, 1], [expected, expected])] * w
+    # (the engine records an all-gather by its output: W rows of SMALL bytes)
+    sent = [([("_allgather_base", w * pack.SMALL), ("allreduce", 1)], [expected, expected])] * w
     assert pool.run(_sent, [None] * w) == sent

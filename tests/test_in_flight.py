@@ -256,9 +256,8 @@ def _mismatched(how):
 
 @pytest.mark.parametrize("how", ["shape", "tag", "broadcast tag"])
 def test_a_call_in_flight_that_differs_raises_from_the_sync_on_every_replica(gloo, how):
+    # (a small broadcast's header is summed: src raises too)
     reports = gloo.run(_mismatched, [how] * gloo.world_size)
-    if how == "broadcast tag":  # (src returns its own tree: docs/reliability.md)
-        assert torch.equal(reports.pop(0), torch.arange(3.0)), reports
     assert reports == [("CollectiveMismatchError", True)] * len(reports)
 
 

@@ -174,6 +174,15 @@ def test_the_mode_is_read_from_xcoll_check_unless_a_block_sets_it(monkeypatch):
         assert xcoll.gather(torch.ones(1)).tolist() == [1.0]
 
 
+def test_an_empty_xcoll_check_is_unset(monkeypatch):
+    # (tools treat an empty variable as unset: the default mode, "guard")
+    from xcoll._guard import check as _check
+
+    monkeypatch.setenv("XCOLL_CHECK", "")
+    assert _check.mode() == "guard"
+    assert xcoll.gather(torch.ones(1)).tolist() == [1.0]
+
+
 def _layouts(_):
     rank, dev = xcoll.rank(), device()
     base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5) + 100 * rank
@@ -326,3 +335,124 @@ def test_replicas_whose_sync_or_to_cpu_differ_raise_naming_them(name, which):
             f"(rank {rank}) has parameters: {head(rank == 0)}; rank {1 - rank} has parameters: "
             f"{head(rank != 0)}"
         ), text
+
+
+# ---- small calls of different kinds on gloo --------------------------------------
+
+
+def _kinds(w: int, r: int) -> dict:
+    """One small call of each kind, on rank ``r`` of ``w``."""
+    x = torch.arange(2.0 * w) + r
+    return {
+        "gather": lambda: xcoll.gather(x),
+        "reduce": lambda: xcoll.reduce(x),
+        "broadcast": lambda: xcoll.broadcast(x),
+        "reduce_scatter": lambda: xcoll.reduce_scatter(x),
+        "all_to_all": lambda: xcoll.all_to_all(x),
+        "gather_object": lambda: xcoll.gather_object({"r": r}),
+        "broadcast_object": lambda: xcoll.broadcast_object({"r": r}),
+        "barrier": lambda: xcoll.barrier("b"),
+        "sync_rng_state": lambda: xcoll.sync_rng_state(),
+    }
+
+
+KINDS = list(_kinds(1, 0))
+
+
+def _another_kind(pair):
+    """Rank 0 makes a call of one kind, the others of another: each returns
+    its error's text (or "returned"), then a consistent call's result."""
+    mine, theirs = pair
+    w, r = xcoll.world_size(), xcoll.rank()
+    xcoll.barrier()  # (a group's first call is checked in full: this one is not)
+    try:
+        _kinds(w, r)[mine if r == 0 else theirs]()
+        text = "returned"
+    except xcoll.CollectiveMismatchError as e:
+        text = str(e)
+    return text, xcoll.reduce(torch.ones(1)).item()
+
+
+@pytest.mark.parametrize("pair", [(a, b) for a in KINDS for b in KINDS if a != b], ids="-".join)
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+def test_small_calls_of_different_kinds_raise_on_every_replica(world, pair):
+    # every small call is one all-gather of the same size on gloo (and on
+    # XLA), whatever its kind: the replicas meet, and each names both calls
+    pool = shared_pool(world)
+    w = pool.world_size
+    for r, (text, after) in enumerate(pool.run(_another_kind, [pair] * w, timeout=60)):
+        mine, theirs = pair if r == 0 else pair[::-1]
+        assert f"has call xcoll.{mine}; rank " in text and f"has call xcoll.{theirs}" in text, (r, text)
+        assert after == w, (r, text)  # (the group goes on)
+
+
+def _uneven_batches(_=None):
+    """An eval loop whose last rank has one batch fewer: a small gather per
+    batch, then a metrics reduce."""
+    w, r = xcoll.world_size(), xcoll.rank()
+    xcoll.barrier()  # (as above)
+    try:
+        for i in range(3 if r < w - 1 else 2):
+            xcoll.gather({"preds": torch.full((4,), float(i + r))})
+        xcoll.reduce({"loss": torch.tensor(0.5), "seen": torch.tensor(8)})
+        text = "returned"
+    except xcoll.CollectiveMismatchError as e:
+        text = str(e)
+    xcoll.barrier("realigned")
+    return text, xcoll.reduce(torch.ones(1)).item()
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+def test_ranks_with_different_batch_counts_raise_on_every_replica(world):
+    pool = shared_pool(world)
+    w = pool.world_size
+    for r, (text, after) in enumerate(pool.run(_uneven_batches, [None] * w, timeout=30)):
+        assert "has call xcoll.gather; rank " in text or "has call xcoll.reduce; rank " in text, (r, text)
+        assert after == w, (r, text)
+
+
+# ---- small calls whose sizes differ, in either direction ---------------------------
+
+_SIZED = ["gather", "reduce", "broadcast", "reduce_scatter", "all_to_all"]
+
+
+def _sizes_differ(args):
+    """Every replica calls ``name`` on a float32 leaf of ``sizes[rank]``
+    elements, one after another: each call's error text (or "returned"),
+    then a consistent call's result."""
+    name, sizes = args
+    dev = device()
+    xcoll.barrier()  # (a group's first call is checked in full: these are not)
+    texts = []
+    for per_rank in sizes:
+        x = torch.arange(float(per_rank[xcoll.rank()])).to(dev)
+        try:
+            getattr(xcoll, name)({"x": x})
+            texts.append("returned")
+        except xcoll.CollectiveMismatchError as e:
+            texts.append(str(e))
+    return texts, xcoll.reduce(torch.ones(1).to(dev)).item()
+
+
+@pytest.mark.parametrize("name", _SIZED)
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4", "xla-cpu-2"])
+def test_small_calls_whose_sizes_differ_raise_on_every_replica_in_either_direction(world, name):
+    # 8 elements against 4 B more, 8 B, 1 KiB, and up to the size class
+    # (960 elements: 3840 bytes and the header, which a reduce-scatter's
+    # wire holds W times); rank 0 (a broadcast's src) holding the larger
+    # tree, then the last rank. (A reduce-scatter's and an all-to-all's leaf
+    # is cut into W parts: their sizes differ by W elements at least.)
+    pool = shared_pool(world)
+    w = pool.world_size
+    step = w if name in ("reduce_scatter", "all_to_all") else 1
+    base = 8 * step
+    more = [max(d, step) for d in (1, 2, 256)] + [960 - base]
+    sizes = []
+    for m in more:
+        for big in (0, w - 1):
+            sizes.append([base + m if r == big else base for r in range(w)])
+    for r, (texts, after) in enumerate(pool.run(_sizes_differ, [(name, sizes)] * w, timeout=120)):
+        assert after == w, (r, texts)  # (the group goes on)
+        for per_rank, text in zip(sizes, texts, strict=True):
+            assert text.startswith(f"xcoll.{name}: replicas made different calls"), (r, per_rank, text)
+            assert "tree['x']: float32 tensor of shape" in text, (r, per_rank, text)

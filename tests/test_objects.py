@@ -360,29 +360,18 @@ def _tagged(which):
 @pytest.mark.parametrize("which", ["gather_object", "broadcast_object"])
 def test_objects_whose_calls_differ_raise_naming_the_difference(pool, which):
     # (replicas whose tags differ: the guard's fingerprint travels with the
-    # sizes; a broadcast's src learns nothing on gloo, whose broadcast does not
-    # sum the fingerprints: it returns its own object, docs/reliability.md)
+    # sizes, summed on every engine for a broadcast's: every replica reads it)
     w = pool.world_size
     got = pool.run(_tagged, [which] * w)
     if w == 1:
         assert got == [[{"r": 0}] if which == "gather_object" else {"r": 0}], got
         return
-    one_sided = which == "broadcast_object" and pool.device_type != "xla"
     for r, text in enumerate(got):
-        if one_sided and r == 0:
-            assert text == {"r": 0}, text
-        elif one_sided:
-            assert text == (
-                f"xcoll.broadcast_object: this replica's call (rank {r}: tag: tag='t{r}'; "
-                "parameters: src=0; no leaves) differs from the call of src, rank 0; run with "
-                "XCOLL_CHECK=always to name the difference"
-            ), text
-        else:
-            other = 0 if r else 1
-            assert text == (
-                f"xcoll.{which}: replicas made different calls; the first difference: this "
-                f"replica (rank {r}) has tag: tag='t{r}'; rank {other} has tag: tag='t{other}'"
-            ), text
+        other = 0 if r else 1
+        assert text == (
+            f"xcoll.{which}: replicas made different calls; the first difference: this "
+            f"replica (rank {r}) has tag: tag='t{r}'; rank {other} has tag: tag='t{other}'"
+        ), text
 
 
 def _barriers(which):

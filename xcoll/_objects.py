@@ -174,13 +174,19 @@ def barrier(tag: str = "", *, group: Any = None) -> None:
     # call's step tag, from xcoll.step, is its fingerprint's).
     transport, entry = _entered("xcoll.barrier", "", group, None, error)
     with entry as signature:
+        # (the call's fingerprint and the tag's, apart: a call of another kind
+        # or step differs in the first, which every replica's verdict reads,
+        # as it does where its own call meets a barrier)
         guard = "" if signature is None else signature.fingerprint().hex()
-        if not _exchange.differing(transport, _exchange.sha256(guard + "\n" + tag)):
+        sent = _exchange.sha256(guard) + _exchange.sha256(tag)
+        every = transport.exchange(transport.upload(_exchange.bytes_tensor(sent, 64)))
+        mine = every[transport.rank()]
+        if not bool((every[:, :32] == mine[:32]).all()):
+            _verdict.fire(transport, signature)
+        if bool((every[:, 32:] == mine[32:]).all()):
             return
         tags = _exchange.gather_bytes(transport, tag.encode("utf-8", "surrogatepass"))
         assert tags is not None
-        if len(set(tags)) == 1:  # the same tag: the calls differ
-            _verdict.fire(transport, signature)
         listing = ", ".join(
             f"rank {r}: {t.decode('utf-8', 'surrogatepass')!r}"  # type: ignore[union-attr]
             for r, t in enumerate(tags)

@@ -257,6 +257,13 @@ def _sync(
     # (Nothing pending: no execution.)
     transport.sync()
     mine, spec = optree.tree_flatten(cast(Any, rng_state(generators)))
+    if not transport.lazy and signature is not None:
+        # The states (over 4 KiB) would travel in an eager engine's broadcast,
+        # which a replica making another call meets with another collective;
+        # a small guarded call first meets any other call, whatever its kind
+        # (the guard reads the difference), and the states follow unguarded.
+        _call.run(_ops.Broadcast(src), transport.upload(_pack.leaf_bytes(len(mine))), transport, signature=signature)
+        signature = None
     sent = optree.tree_unflatten(spec, [transport.upload(_pack.leaf_bytes(x)) for x in mine])
     synced = _call.run(_ops.Broadcast(src), sent, transport, signature=signature)
     got = transport.to_host(optree.tree_leaves(synced))

@@ -266,6 +266,11 @@ class Transport(ABC):
     def wait(self) -> None:
         """Waits for the collectives started so far (lazy engines: nothing to wait for)."""
 
+    def flush(self) -> None:
+        """Sends the collectives recorded so far, where they are recorded
+        (:class:`~xcoll._backends.hosted.Hosted`); an engine starts each as
+        it is made."""
+
     def sync(self) -> None:
         """Runs everything traced so far (no-op for eager engines)."""
 
@@ -300,11 +305,20 @@ class Transport(ABC):
     def exchange(self, buf: torch.Tensor) -> torch.Tensor:
         """Every replica's 1-d ``buf`` as a ``(W, n)`` CPU tensor, run on its own:
         on lazy engines nothing else pending joins it (the caller's pending
-        work may differ between replicas, as it does when their calls do)."""
+        work may differ between replicas, as it does when their calls do).
+        A buffer of fewer than :data:`~xcoll._encode.pack.SMALL` bytes is sent
+        in that many, as every small call is
+        (:class:`~xcoll._backends.hosted.Hosted`): replicas whose exchanges
+        or calls differ still meet, and each reads what differs."""
+        n = buf.numel()
+        if n * buf.element_size() < _pack.SMALL:  # (every element size divides SMALL)
+            small = buf.new_zeros(_pack.SMALL // buf.element_size())
+            small[:n] = buf
+            buf = small
         out = self.all_gather(buf)
         self.wait()
         self.sync()
-        return self.to_host([out])[0].view(self.world, -1)
+        return self.to_host([out])[0].view(self.world, -1)[:, :n]
 
 
 class LocalTransport(Transport):

@@ -23,6 +23,7 @@ engine's broadcast sums it).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -40,17 +41,21 @@ _FOLD: dict[str, Callable[..., torch.Tensor]] = {
 
 class Hosted(Transport):
     """``engine``'s collectives for one small call whose buffers are on the
-    host: each collective is recorded, and :meth:`wait` sends them all in one
-    all-gather of :data:`~xcoll._encode.pack.SMALL` bytes."""
+    host: each collective is recorded, and :meth:`flush` (an eager engine's,
+    as the call is made) or :meth:`wait` sends them all in one all-gather of
+    :data:`~xcoll._encode.pack.SMALL` bytes."""
 
     lazy = False
+    # (the header's rows are summed on the host, whatever the engine's broadcast does)
+    broadcast_sums = True
 
-    def __init__(self, engine: Transport, leaves: Sequence[object]):
+    def __init__(self, engine: Transport, leaves: list[Any]):
         self.engine = engine
         self.device = torch.device("cpu")
         self.world = engine.world
-        self.broadcast_sums = engine.broadcast_sums
-        self._leaves = list(leaves)
+        self._leaves = leaves
+        #: The exchange's result, once :meth:`flush` has started it.
+        self._rows: torch.Tensor | None = None
         #: Per collective: its buffer, its result (filled by wait), how it
         #: combines ("gather", "broadcast" or a reduce's op), src, guard, and
         #: whether each replica takes only its part of each row (an
@@ -96,21 +101,31 @@ class Hosted(Transport):
         self._sent.append((buf, out, how, src, guard, scatter))
         return out
 
+    def flush(self) -> None:
+        """Starts the one all-gather of what was recorded, on an eager
+        engine (a lazy engine's runs at :meth:`wait`, as a program of its
+        own): the call's collectives are then all started."""
+        # (an eager engine's hosted call is on the host: nothing to upload)
+        if self._sent and self._rows is None and not self.engine.lazy:
+            self._rows = self.engine.all_gather(self._joined(self._sent))
+
     def wait(self) -> None:
-        """Sends every recorded buffer in one all-gather of exactly
-        :data:`~xcoll._encode.pack.SMALL` bytes (zeros after them), run on
-        its own, and makes each result from the rows."""
-        sent, self._sent = self._sent, []
+        """Sends every recorded buffer (unless :meth:`flush` has) in one
+        all-gather of exactly :data:`~xcoll._encode.pack.SMALL` bytes (zeros
+        after them), and makes each result from the rows."""
+        sent, rows, self._sent, self._rows = self._sent, self._rows, [], None
         if not sent:
             return
-        raw = [buf.contiguous().view(torch.uint8) for buf, *_ in sent]
-        padded = torch.zeros(_pack.SMALL, dtype=torch.uint8)
-        torch.cat(raw, out=padded[: sum(r.numel() for r in raw)])
-        rows = self.exchange(padded.view(torch.int32)).view(torch.uint8)
+        if rows is None:  # (a lazy engine's program of int32 words)
+            rows = self.exchange(self._joined(sent).view(torch.int32)).view(torch.uint8)
+        else:  # (on the host already)
+            self.engine.wait()
+        rows = rows.view(self.world, -1)
         at = 0
-        for r, (buf, out, how, src, guard, scatter) in zip(raw, sent, strict=True):
-            got = rows[:, at : at + r.numel()].contiguous().view(buf.dtype)
-            at += r.numel()
+        for buf, out, how, src, guard, scatter in sent:
+            n = buf.nbytes
+            got = rows[:, at : at + n].contiguous().view(buf.dtype)
+            at += n
             if scatter:  # (each row's part addressed to this replica)
                 got = got.view(self.world, self.world, -1)[:, self.rank()]
             if how == "gather":
@@ -122,10 +137,24 @@ class Hosted(Transport):
             else:
                 _fold(got, how, out)
 
-    # (copies, as a fetch makes: each output's storage its own, not a view
-    # of the call's rows, which hold every dtype of the call)
+    @staticmethod
+    def _joined(sent: list) -> torch.Tensor:
+        """The recorded buffers' bytes, one after another, in
+        :data:`~xcoll._encode.pack.SMALL` bytes."""
+        padded = torch.zeros(_pack.SMALL, dtype=torch.uint8)
+        at = 0
+        for buf, *_ in sent:
+            raw = _bytes(buf)
+            n = raw.shape[0]
+            padded[at : at + n] = raw
+            at += n
+        return padded
+
+    # (copies, as a lazy engine's fetch makes: each output's storage its own,
+    # not a view of the call's results; an eager engine's outputs are views
+    # of its results, as its own collectives' are)
     def sync_and_fetch(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return self.to_host(tensors)
+        return self.to_host(tensors) if self.engine.lazy else list(tensors)
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.clone() for t in tensors]
@@ -134,9 +163,18 @@ class Hosted(Transport):
         return self.engine.exchange(self.engine.upload(buf))
 
 
+def _bytes(buf: torch.Tensor) -> torch.Tensor:
+    """1-d ``buf``'s bytes (a one-element buffer may be an expanded leaf of
+    stride 0, which a view as bytes refuses)."""
+    if buf.stride() != (1,):
+        buf = buf.clone(memory_format=torch.contiguous_format)
+    return buf.view(torch.uint8)
+
+
 def _fold(rows: torch.Tensor, op: str, out: torch.Tensor) -> None:
     """``out`` = ``op`` over ``rows`` (``(W, n)``), in rank order: the same
     on every replica, which all hold the same rows."""
     out.copy_(rows[0])
-    for row in rows[1:]:
-        _FOLD[op](out, row, out=out)
+    fold = _FOLD[op]
+    for k in range(1, rows.shape[0]):  # (indexed: a tensor's iterator is Python code)
+        fold(out, rows[k], out=out)

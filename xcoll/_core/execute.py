@@ -68,8 +68,8 @@ def execute(
             return execute(r, flat, transport, signature, sync=sync, to_cpu=to_cpu)
     if r.identity:
         out, agree = _identity(r, flat, transport, to_cpu), True
-    elif r.hosted and sync:
-        out, agree = _hosted(r, flat, transport, signature, to_cpu)
+    elif r.hosted and (sync or not transport.lazy):
+        out, agree = _hosted(r, flat, transport, signature, sync, to_cpu)
     else:
         out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
     for i in flat.scalars:
@@ -96,19 +96,23 @@ def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
     return _empties(r, flat, out, to_cpu)
 
 
-def _hosted(r: Recipe, flat, transport: Transport, signature, to_cpu: bool):
-    """The output leaves and the verdict of a lazy engine's small call
+def _hosted(r: Recipe, flat, transport: Transport, signature, sync: bool, to_cpu: bool):
+    """The output leaves and the verdict of a small call run on the host
     (:mod:`xcoll._backends.hosted`): its tensor leaves fetched (where one is
-    pending, after one sync of what is pending, the caller's work too, as a
-    program of its own),
-    packed, sent and cut on the host; the tensor outputs uploaded in one
-    call, unless ``to_cpu``."""
-    leaves = list(flat.leaves)
-    sent = r.tensor_leaves
-    for i, host in zip(sent, transport.fetch([leaves[i] for i in sent]), strict=True):
-        leaves[i] = host
-    out, agree = _leaves_out(r, flat, Hosted(transport, leaves), signature, True, True)
-    if not to_cpu:
+    pending on a lazy engine, after one sync of what is pending, the
+    caller's work too, as a program of its own), packed, sent and cut on the
+    host; the tensor outputs uploaded in one call where the engine's device
+    is not the host, unless ``to_cpu``. Without ``sync`` (an eager engine's
+    call in flight), its one exchange started."""
+    leaves = flat.leaves
+    if transport.lazy:  # (an eager engine's hosted leaves are on the host)
+        leaves = list(leaves)
+        sent = r.tensor_leaves
+        for i, host in zip(sent, transport.fetch([leaves[i] for i in sent]), strict=True):
+            leaves[i] = host
+    # (cut on the host: a lazy engine's outputs are uploaded after, from the host)
+    out, agree = _leaves_out(r, flat, Hosted(transport, leaves), signature, sync, to_cpu or transport.lazy)
+    if sync and not to_cpu and transport.device.type != "cpu":
         tensors = flat.tensors
         for i, up in zip(tensors, transport.upload_all([out[i] for i in tensors]), strict=True):
             out[i] = up
@@ -177,8 +181,7 @@ def _outputs(r: Recipe, flat, transport: Transport, signature, mine, results, sy
     del pieces
     if sync and not to_cpu and (blocks or header is not None or transport.lazy):
         blocks, header = _materialise(transport, blocks, header)
-    if header is not None:
-        assert mine is not None
+    if header is not None and mine is not None:  # (None: the outputs' metadata, :func:`_meta_outputs`)
         if sync:
             _check(transport, signature, _header.as_bytes(header), mine.decoded)
         else:  # (a lazy call's results exist only after the caller's sync)
@@ -242,7 +245,10 @@ def _start(r: Recipe, transport: Transport, wires, signature, mine) -> tuple[lis
         transport.wait()
         results[0] = _first(r, transport, results[0], signature, mine)
     # (eager engines start every collective asynchronously)
-    return results + [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)], read
+    if len(wires) > 1:
+        results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
+    transport.flush()
+    return results, read
 
 
 def _complete(r: Recipe, transport: Transport, results, read: bool, signature, mine) -> list[torch.Tensor]:

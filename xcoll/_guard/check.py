@@ -123,6 +123,8 @@ def mode() -> str:
         else:
             raw = os.environ.get("XCOLL_CHECK")
         m = "guard" if raw is None else raw if raw.__class__ is str else os.environ.decodevalue(raw)
+        if not m:  # (an empty variable is unset, as tools treat it)
+            m = "guard"
     if m not in MODES:
         raise ValueError(f"XCOLL_CHECK must be one of {MODES}, got {m!r}")
     return m

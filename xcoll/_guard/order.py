@@ -57,17 +57,18 @@ class Call(ABC):
 
 
 _lock = threading.RLock()  # (an output may be used from another thread)
-# {group: the latest call in flight on it}. Per group, not per thread: the
+# {group: the latest call in flight on it} (read at every call's entry: a
+# call finds it empty, but where calls in flight are). Per group, not per thread: the
 # calls on a group complete in their order on every replica, whichever thread
 # made a call or completes it.
-_latest: dict[Hashable, Call] = {}
+in_flight: dict[Hashable, Call] = {}
 
 
 def started(call: Call) -> None:
     """Puts ``call`` last in its group's order."""
     with _lock:
-        call.earlier = _latest.get(call.group)
-        _latest[call.group] = call
+        call.earlier = in_flight.get(call.group)
+        in_flight[call.group] = call
 
 
 def completed(call: Call) -> None:
@@ -91,17 +92,15 @@ def completed(call: Call) -> None:
             # (a completed call is no longer in flight: kept here, its outputs
             # would live until the group's next call, whoever else holds them)
             # (one that an earlier call's failure left in flight stays in order)
-            if _latest.get(call.group) is call and (call.outputs is not None or call.failed):
-                del _latest[call.group]
+            if in_flight.get(call.group) is call and (call.outputs is not None or call.failed):
+                del in_flight[call.group]
 
 
 def sync(group: Hashable | None = None) -> None:
     """Completes the process's calls in flight (on ``group``'s key only, if
-    given). Free where none is in flight: it runs at every call's entry."""
-    if not _latest:
-        return
+    given)."""
     with _lock:
-        latest = [c for k, c in _latest.items() if group is None or k == group]
+        latest = [c for k, c in in_flight.items() if group is None or k == group]
     for call in latest:
         completed(call)
 

@@ -200,9 +200,10 @@ class Packed(Op):
     #: travels alone.
     scatters: bool = False
 
-    def how(self, plan: Plan, transport: Transport) -> str:
+    def how(self, plan: Plan, sums: bool) -> str:
         """How the collective combines the guard header ("" where its bytes
-        arrive as sent; :func:`xcoll._guard.header.own_size`)."""
+        arrive as sent; :func:`xcoll._guard.header.own_size`); ``sums``:
+        whether the engine's broadcast sums it."""
         return ""
 
     def header_dtype(self, plan: Plan) -> torch.dtype:
@@ -270,24 +271,40 @@ class Packed(Op):
         # (everything the recipe reads beyond the plan: the engine's kind
         # decides lazy and how a broadcast's header combines; of the op, only
         # fields that the plan's key or this one holds: src)
-        key = (type(transport), w, guarded, to_cpu, _TUNING.get().alone, self.src)
+        key = (type(transport), transport.device.type, w, guarded, to_cpu, _TUNING.get().alone, self.src)
         r = plan.recipes.get(key)
         if r is None:  # (two threads may build it: setdefault keeps one)
             r = plan.recipes.setdefault(key, self._recipe(plan, transport, w, guarded, to_cpu))
         return r
 
     def _recipe(self, plan: Plan, transport: Transport, w: int, guarded: bool, to_cpu: bool) -> Recipe:
-        guard = None
-        if guarded:
-            how = self.how(plan, transport)
-            guard = _recipe.guard(self, self.header_dtype(plan), how, w, transport.lazy)
-        # (a large tensor travels alone on eager engines only: on XLA its
-        # bytes are in the graph either way)
-        alone = 0 if transport.lazy or self.scatters else _TUNING.get().alone
         # (a world of one whose outputs stay on a lazy engine's device runs its
         # one program: made of copies, it would trace one per leaf)
         identity = w == 1 and (to_cpu or not transport.lazy)
-        return _recipe.build(plan, self, w, guard, alone, identity, transport.lazy)
+        if transport.lazy:
+            return self._built(plan, w, guarded, transport.broadcast_sums, identity, True)
+        # A small guarded call on an eager engine's host runs as a lazy
+        # engine's small call does: hosted, every kind of call one all-gather
+        # of SMALL bytes, so that replicas whose calls differ in kind or size
+        # still meet, and the guard's header names the difference on every
+        # replica (a broadcast's header summed: every replica reads it).
+        if guarded and not identity and transport.device.type == "cpu":
+            r = self._built(plan, w, guarded, True, identity, True)
+            if r.hosted:
+                return r
+        return self._built(plan, w, guarded, transport.broadcast_sums, identity, False)
+
+    def _built(self, plan: Plan, w: int, guarded: bool, sums: bool, identity: bool, lazy: bool) -> Recipe:
+        """``plan``'s recipe as a ``lazy`` engine (or a hosted call) runs it,
+        or an eager engine; ``sums``: whether a broadcast sums its header."""
+        guard = None
+        if guarded:
+            how = self.how(plan, sums)
+            guard = _recipe.guard(self, self.header_dtype(plan), how, w, lazy)
+        # (a large tensor travels alone on eager engines only: on XLA its
+        # bytes are in the graph either way)
+        alone = 0 if lazy or self.scatters else _TUNING.get().alone
+        return _recipe.build(plan, self, w, guard, alone, identity, lazy)
 
     def apply(self, flat, transport, plan, sync, to_cpu, signature):
         r = self.recipe(plan, transport, signature is not None, to_cpu)

@@ -44,8 +44,8 @@ class Broadcast(Move):
         dtypes = [_tree.dtype_of(leaf) for leaf in flat.leaves]
         return laid_out(flat, dtypes, dtypes, (), leaf_shape(flat), _check.describe(flat))
 
-    def how(self, plan, transport):
-        return "sum" if transport.broadcast_sums else ""
+    def how(self, plan, sums):
+        return "sum" if sums else ""
 
     def header_parts(self, values, dtype, how, world):
         part, wire, _ = super().header_parts(values, dtype, how, world)

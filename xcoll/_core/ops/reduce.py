@@ -105,7 +105,7 @@ class Reduce(Packed):
             ops=tuple(_reduce_op(b) for b in plan.buckets),
         )
 
-    def how(self, plan, transport):
+    def how(self, plan, sums):
         return plan.ops[0]
 
     def header_dtype(self, plan):
