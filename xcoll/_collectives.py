@@ -132,9 +132,10 @@ def gather(
             next sync (``xcoll.sync()``), which raises
             :class:`xcoll.CollectiveMismatchError` where the calls differed.
             On torch.distributed the call starts its collectives and returns
-            at once; it completes at ``xcoll.sync()`` or the
-            first use of an output, whichever comes first (its outputs
-            complete it as they are used: docs/design.md, "Calls in flight").
+            (a call of several waits for its first one); it completes at
+            ``xcoll.sync()``, the group's next call or the first use of an
+            output, whichever comes first, in the order of the calls
+            (docs/design.md, "Calls in flight").
         to_cpu: return CPU tensors, fetched with one transfer per packed buffer.
         uneven: let tensor leaves differ in size along ``dim`` between
             replicas (other dims and dtypes must match; an empty shard is
@@ -477,9 +478,10 @@ def broadcast(
             ``to_cpu`` with ``sync=False``; ``to_cpu`` with ``grad``; ``group``
             with XLA leaves or on a rank that is not its member.
         xcoll.CollectiveMismatchError: the replicas' calls differ (as in
-            :func:`gather`; ``src`` included). On torch.distributed the
-            broadcast is a star from ``src``: the receivers raise, and ``src``
-            returns its own tree, its result whatever the others did.
+            :func:`gather`; ``src`` included), on every replica. On
+            torch.distributed a broadcast over 4 KiB (or of CUDA leaves) is a
+            star from ``src``: the receivers raise, and ``src`` returns its
+            own tree, its result whatever the others did.
         xcoll.ConcurrentCallError: as in :func:`gather`.
         RuntimeError: as in :func:`gather`.
 

@@ -129,8 +129,10 @@ def broadcast_object(
         mine = transport.rank() == src
         data, error = _encode_or_error(obj) if mine else (b"", None)
         size = -1 if data is None else len(data)
-        # (a receiver's one-sided verdict, gloo's: src goes on to send its
-        # data, so this replica receives it before raising)
+        # (a receiver's one-sided verdict, of a broadcast of CUDA leaves on
+        # torch.distributed: src goes on to send its data, so this replica
+        # receives it before raising; a small call on the host, the size's
+        # on gloo, is read by every replica)
         op = _ops.Broadcast(src)
         # (the size as its bytes: an int64 that XLA_USE_32BIT_LONG would narrow)
         sent = transport.upload(_pack.leaf_bytes(size))

@@ -23,7 +23,8 @@ collective's arithmetic allows (:func:`own_size`, :func:`alike_size`): small red
   of its own only if every fingerprint is its own. The broadcast's receivers
   compare ``src``'s with their own; ``src`` learns nothing, and returns its
   own tree, which is its result whatever the others did. This is the one
-  one-sided verdict.
+  one-sided verdict (a small call on the host sums it instead, as XLA's
+  broadcast does: :mod:`xcoll._backends.hosted`).
 * an all-reduce sum (reduce, mean, and broadcast on XLA, an integer sum with
   zeros from every replica but ``src``): the 64 bits cut into values ``v`` of
   ``k`` bits, each followed later by ``v**2``. Every replica's ``v`` equal
