@@ -31,6 +31,7 @@ from ._encode import pack as _pack
 from ._guard import check as _check
 from ._guard import entry as _entry
 from ._guard import header as _header
+from ._guard import verdict as _verdict
 
 
 def _numpy() -> ModuleType | None:
@@ -257,15 +258,21 @@ def _sync(
     # (Nothing pending: no execution.)
     transport.sync()
     mine, spec = optree.tree_flatten(cast(Any, rng_state(generators)))
+    guard, agree = signature, True
     if not transport.lazy and signature is not None:
         # The states (over 4 KiB) would travel in an eager engine's broadcast,
         # which a replica making another call meets with another collective;
         # a small guarded call first meets any other call, whatever its kind
         # (the guard reads the difference), and the states follow unguarded.
-        _call.run(_ops.Broadcast(src), transport.upload(_pack.leaf_bytes(len(mine))), transport, signature=signature)
-        signature = None
+        # (A one-sided verdict, a receiver's of a broadcast of CUDA leaves, is
+        # raised after the states, which src sends whatever it learns.)
+        count = transport.upload(_pack.leaf_bytes(len(mine)))
+        agree = _call.outcome(_ops.Broadcast(src), count, transport, to_cpu=False, signature=signature)[1]
+        guard = None
     sent = optree.tree_unflatten(spec, [transport.upload(_pack.leaf_bytes(x)) for x in mine])
-    synced = _call.run(_ops.Broadcast(src), sent, transport, signature=signature)
+    synced = _call.run(_ops.Broadcast(src), sent, transport, signature=guard)
+    if not agree:
+        _verdict.fire(transport, signature, src)
     got = transport.to_host(optree.tree_leaves(synced))
     state = optree.tree_unflatten(spec, list(map(_pack.from_leaf_bytes, got, mine)))
     set_rng_state(cast(dict[str, Any], state), generators)
