@@ -7,12 +7,13 @@ import functools
 import math
 import threading
 
+import pytest
 import torch
 from torchmetrics import CatMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 import xcoll
-from tests.replicas import device
+from tests.replicas import device, shared_pool
 from xcoll.integrations.torchmetrics import compute
 
 N, CLASSES, BATCH = 45, 5, 4  # 45 samples: not a multiple of W or of the batch
@@ -89,9 +90,10 @@ def test_metrics_over_replicas_equal_one_process(pool):
     expected = ref.compute()
     for r, out in enumerate(pool.run(_replica, [None] * pool.world_size)):
         got = out["values"]
-        assert (
-            out["calls"] == 2
-        )  # one xcoll call per compute(): the collection, then the single metric
+        # one xcoll call per compute() (the collection, then the single
+        # metric), and one more where a metric has list states (their layouts,
+        # which a rank that saw no data takes: CatMetric's)
+        assert out["calls"] == 3
         assert torch.equal(got["acc"], expected["acc"])
         assert torch.allclose(got["loss"], expected["loss"], rtol=1e-6)
         assert torch.allclose(out["loss alone"], expected["loss"], rtol=1e-6)
@@ -114,3 +116,97 @@ def test_plain_compute_is_unchanged_afterwards():
     assert compute(m) == 2.0
     m.update(torch.tensor([4.0]))
     assert m.compute() == 3.0 and m._to_sync and not m._is_synced
+
+
+# ---- ranks that saw no data ---------------------------------------------------------
+
+
+def _empty_rank_metrics():
+    """Metrics whose list states are not float32 or not 1-D: an int64 target,
+    2-D predictions and rows, a retrieval metric's indexes."""
+    from torchmetrics.classification import BinaryAUROC, MulticlassAUROC
+    from torchmetrics.retrieval import RetrievalMRR
+
+    return {
+        "binary auroc": BinaryAUROC(),
+        "multiclass auroc": MulticlassAUROC(CLASSES, average="macro"),
+        "rows": CatMetric(),
+        "mrr": RetrievalMRR(),
+    }
+
+
+def _empty_rank_updates(name, m, idx, dev="cpu"):
+    g = torch.Generator().manual_seed(11)
+    preds, labels = torch.rand(N, generator=g)[idx], torch.randint(0, 2, (N,), generator=g)[idx]
+    logits, classes = dataset()
+    preds, labels, logits, classes = (t.to(dev) for t in (preds, labels, logits[idx], classes[idx]))
+    if name == "binary auroc":
+        m.update(preds, labels)
+    elif name == "multiclass auroc":
+        m.update(logits.softmax(-1), classes)
+    elif name == "rows":
+        m.update(logits.double())  # (2-D float64 rows)
+    else:
+        m.update(preds, labels.bool(), indexes=(idx // 5).to(dev))
+
+
+def _with_empty_ranks(empty):
+    """Each metric updated with this replica's shard, none where ``empty``
+    holds its rank ("all": every rank): ``compute`` through xcoll, or the
+    error's type."""
+    rank, world = xcoll.rank(), xcoll.world_size()
+    out = {}
+    for name, m in _empty_rank_metrics().items():
+        m = m.to(device())
+        if empty != "all" and rank not in empty:
+            # (the shards of the ranks that have data cover the whole dataset)
+            have = [r for r in range(world) if r not in empty]
+            idx = torch.arange(have.index(rank), N, len(have))
+            _empty_rank_updates(name, m, idx, device())
+        try:
+            got = compute(m)
+            out[name] = got.cpu() if isinstance(got, torch.Tensor) else got
+        except Exception as e:
+            out[name] = type(e).__name__
+    return out
+
+
+def _single_process(empty_everywhere: bool) -> dict:
+    out = {}
+    for name, m in _empty_rank_metrics().items():
+        if not empty_everywhere:
+            _empty_rank_updates(name, m, torch.arange(N))
+        try:
+            out[name] = m.compute()
+        except Exception as e:
+            out[name] = type(e).__name__
+    return out
+
+
+def _same(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(
+            got.double().sort(0).values if got.dim() else got.double(),
+            want.double().sort(0).values if want.dim() else want.double(),
+            rtol=1e-6,
+        )
+    return got == want
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4", "xla-cpu-2"])
+def test_a_rank_that_saw_no_data_takes_the_others_layout(world):
+    import warnings
+
+    warnings.simplefilter("ignore")  # (torchmetrics warns of compute before update)
+    pool = shared_pool(world)
+    w = pool.world_size
+    want = _single_process(False)
+    for empty in ([w - 1], [0]):
+        for r, got in enumerate(pool.run(_with_empty_ranks, [empty] * w)):
+            for name, value in got.items():
+                assert _same(value, want[name]), (empty, r, name, value, want[name])
+    # every rank empty: what one process that saw no data computes
+    none = _single_process(True)
+    for r, got in enumerate(pool.run(_with_empty_ranks, ["all"] * w)):
+        for name, value in got.items():
+            assert _same(value, none[name]), ("all", r, name, value, none[name])
