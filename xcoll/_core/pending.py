@@ -65,6 +65,10 @@ class PendingTensor(torch.Tensor):
     def data_ptr(self) -> int:
         return self.value().data_ptr()
 
+    # (newer torch's: const_data_ptr gave 0 there, as data_ptr did)
+    def const_data_ptr(self) -> int:
+        return self.value().const_data_ptr()  # type: ignore[attr-defined, no-any-return, unused-ignore]
+
     def untyped_storage(self) -> torch.UntypedStorage:
         return self.value().untyped_storage()
 

@@ -68,7 +68,7 @@ class entered:
             # (the calls in flight on this group complete first, in order: the
             # one collective a completion may start, the exchange naming a
             # difference, is then the next on the group on every replica)
-            if _order.in_flight:
+            if t.group_key in _order.in_flight:  # (a lookup: another group's completion is not waited for)
                 _order.sync(t.group_key)
             if t.lazy:  # (an earlier sync=False call's verdict, where a sync has run it)
                 t.settle()
