@@ -210,3 +210,10 @@ def test_a_rank_that_saw_no_data_takes_the_others_layout(world):
     for r, got in enumerate(pool.run(_with_empty_ranks, ["all"] * w)):
         for name, value in got.items():
             assert _same(value, none[name]), ("all", r, name, value, none[name])
+
+
+def test_a_list_state_xcoll_cannot_lay_out_is_refused_naming_it():
+    m = CatMetric()
+    m.update(torch.zeros(1, 1, 1, 1, 1, 1, 1, 1))  # (rows of 7 dims)
+    with pytest.raises(ValueError, match=r"^metric\.value: a list state of torch\.float32 rows of shape \(1, 1, 1, 1, 1, 1, 1\); "):
+        compute(m)

@@ -60,10 +60,14 @@ def _layout(name: str, attr: str, value: list[torch.Tensor]) -> list[int]:
     dims, then each, zeros after)."""
     if not value:
         return [-1] + [0] * (_DIMS + 1)
-    shape = list(dim_zero_cat(value).shape[1:])
-    if len(shape) > _DIMS:
-        raise ValueError(f"{name or 'metric'}.{attr}: rows of more than {_DIMS} dims")
-    return [_DTYPES.index(value[0].dtype), len(shape), *shape] + [0] * (_DIMS - len(shape))
+    t = dim_zero_cat(value)  # (its dtype: torch.cat's of the list's, which may differ)
+    shape = list(t.shape[1:])
+    if len(shape) > _DIMS or t.dtype not in _DTYPES:
+        raise ValueError(
+            f"{name or 'metric'}.{attr}: a list state of {t.dtype} rows of shape {tuple(shape)}; "
+            f"xcoll syncs list states of rows of at most {_DIMS} dims, of the dtypes {_DTYPES}"
+        )
+    return [_DTYPES.index(t.dtype), len(shape), *shape] + [0] * (_DIMS - len(shape))
 
 
 def _list_layouts(members: dict[str, Metric], group: Any) -> dict[tuple[str, str], list[int]]:
