@@ -121,7 +121,7 @@ def test_metrics_md_runs_under_torch_xla_launch(tmp_path):
     from torchmetrics import MeanMetric
     from torchmetrics.classification import MulticlassAccuracy
 
-    uneven, ordered, sums, torchmetrics = blocks(METRICS)
+    uneven, ordered, sums, torchmetrics, hooked = blocks(METRICS)
     script = tmp_path / "metrics.py"
     script.write_text(
         launched(
@@ -131,7 +131,9 @@ def test_metrics_md_runs_under_torch_xla_launch(tmp_path):
             ordered,
             sums,
             torchmetrics,
-            save(tmp_path, "batches", "uneven", "ordered", "totals", "values"),
+            "computed = values  # (the next snippet reuses the name)\n",
+            hooked,
+            save(tmp_path, "batches", "uneven", "ordered", "totals", "computed", "values", "acc"),
         )
     )
     _, outs = launch(script)
@@ -153,9 +155,11 @@ def test_metrics_md_runs_under_torch_xla_launch(tmp_path):
         assert torch.allclose(o["totals"]["loss_sum"], F.cross_entropy(logits, y, reduction="sum"))
         assert o["totals"]["correct"] == (logits.argmax(-1) == y).sum(), r
         assert o["totals"]["count"] == 10, r
-        assert torch.equal(o["values"]["acc"], acc.compute()), r
-        assert torch.allclose(o["values"]["loss"], loss.compute()), r
-    for key in ("uneven", "totals", "values"):
+        for values in (o["computed"], o["values"]):  # (compute, then sync_with_xcoll's)
+            assert torch.equal(values["acc"], acc.compute()), r
+            assert torch.allclose(values["loss"], loss.compute()), r
+        assert torch.equal(o["acc"], acc.compute()), r
+    for key in ("uneven", "totals", "computed", "values"):
         same_on_every_replica(outs, key)
 
 

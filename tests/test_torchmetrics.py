@@ -14,7 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import xcoll
 from tests.replicas import device, shared_pool
-from xcoll.integrations.torchmetrics import compute
+from xcoll.integrations.torchmetrics import compute, sync_with_xcoll
 
 N, CLASSES, BATCH = 45, 5, 4  # 45 samples: not a multiple of W or of the batch
 
@@ -90,10 +90,9 @@ def test_metrics_over_replicas_equal_one_process(pool):
     expected = ref.compute()
     for r, out in enumerate(pool.run(_replica, [None] * pool.world_size)):
         got = out["values"]
-        # one xcoll call per compute() (the collection, then the single
-        # metric), and one more where a metric has list states (their layouts,
-        # which a rank that saw no data takes: CatMetric's)
-        assert out["calls"] == 3
+        # one xcoll call per compute() (the collection, then the single metric;
+        # list states' layouts ride in the gather's own shape exchange)
+        assert out["calls"] == 2
         assert torch.equal(got["acc"], expected["acc"])
         assert torch.allclose(got["loss"], expected["loss"], rtol=1e-6)
         assert torch.allclose(out["loss alone"], expected["loss"], rtol=1e-6)
@@ -217,3 +216,105 @@ def test_a_list_state_xcoll_cannot_lay_out_is_refused_naming_it():
     m.update(torch.zeros(1, 1, 1, 1, 1, 1, 1, 1))  # (rows of 7 dims)
     with pytest.raises(ValueError, match=r"^metric\.value: a list state of torch\.float32 rows of shape \(1, 1, 1, 1, 1, 1, 1\); "):
         compute(m)
+
+
+# ---- metric.compute() itself, through sync_with_xcoll -------------------------------
+
+
+def _hooked_metrics():
+    """A collection of accuracy, AUROC (two list states), a mean and a 2-D
+    CatMetric, and a metric of 4 tensor states."""
+    from torchmetrics.classification import BinaryAUROC, MulticlassStatScores
+
+    return MetricCollection(
+        {
+            "acc": MulticlassAccuracy(CLASSES, average="micro"),
+            "auroc": BinaryAUROC(),
+            "mean": MeanMetric(),
+            "rows": CatMetric(),
+        }
+    ), MulticlassStatScores(CLASSES, average=None)  # (tp, fp, tn, fn: 4 states)
+
+
+def _hooked_updates(c, stats, rank, dev):
+    """Rank r updates r + 1 times (different numbers of update calls, so
+    list states of different lengths), each batch from its own seed."""
+    for step in range(rank + 1):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        logits, classes = torch.randn(BATCH + step, CLASSES, generator=g), torch.randint(0, CLASSES, (BATCH + step,), generator=g)
+        logits, classes = logits.to(dev), classes.to(dev)
+        c["acc"].update(logits, classes)
+        c["auroc"].update(logits[:, 0].sigmoid(), classes % 2)
+        c["mean"].update(logits[:, 1])
+        c["rows"].update(logits.double())
+        stats.update(logits, classes)
+
+
+def _through_the_hook(own: bool):
+    """metric.compute() with the hook (and, with ``own``, the same metrics
+    synced by torchmetrics itself): the values, and xcoll calls per compute."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    dev, rank = device(), xcoll.rank()
+    _count_gathers()
+    out = {}
+    for how in ("xcoll", "own") if own else ("xcoll",):
+        c, stats = _hooked_metrics()
+        c, stats = c.to(dev), stats.to(dev)
+        if how == "xcoll":
+            c, stats = sync_with_xcoll(c), sync_with_xcoll(stats)
+        _hooked_updates(c, stats, rank, dev)
+        _counts.calls = 0
+        values = c.compute()
+        calls = [_counts.calls]
+        values["stats"] = stats.compute()
+        values["auroc alone"] = c["auroc"].compute()  # (a member's own compute: cached)
+        c["mean"].update(torch.ones(1, device=dev))  # (local states kept: accumulation goes on)
+        values["mean after"] = c["mean"].compute()
+        calls.append(_counts.calls - calls[0])
+        out[how] = ({k: v.cpu() for k, v in values.items()}, calls)
+    return out
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+def test_metric_compute_through_the_hook_equals_torchmetrics_own_sync(world):
+    pool = shared_pool(world)
+    for r, out in enumerate(pool.run(_through_the_hook, [True] * pool.world_size)):
+        (mine, calls), (theirs, own_calls) = out["xcoll"], out["own"]
+        # one xcoll call per compute(): the collection's, the 4-state
+        # metric's, the mean's after its update (the auroc's was cached)
+        assert calls == [1, 2], (r, calls)
+        assert own_calls == [0, 0], (r, own_calls)  # (torchmetrics' own: no xcoll)
+        assert mine.keys() == theirs.keys()
+        for k in mine:
+            assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), (r, k, mine[k], theirs[k])
+
+
+def test_metric_compute_through_the_hook_syncs_xla_replicas():
+    # torchmetrics' own sync reads torch.distributed only: on XLA replicas it
+    # computes each replica's own data; through the hook, every replica's
+    pool = shared_pool("xla-cpu-2")
+    w = pool.world_size
+    got = [out["xcoll"] for out in pool.run(_through_the_hook, [False] * w)]
+    c, stats = _hooked_metrics()
+    for rank in range(w):
+        _hooked_updates(c, stats, rank, "cpu")
+    want = c.compute()
+    want["stats"] = stats.compute()
+    for r, (values, calls) in enumerate(got):
+        assert calls == [1, 2], (r, calls)
+        assert torch.equal(values["acc"], want["acc"]) and torch.equal(values["stats"], want["stats"]), r
+        assert torch.allclose(values["auroc"], want["auroc"]) and torch.allclose(values["mean"], want["mean"]), r
+        assert torch.equal(values["rows"], want["rows"]), r  # (rank order: as one process's updates)
+
+
+def test_the_hook_leaves_one_process_alone():
+    c, stats = _hooked_metrics()
+    plain_c, plain_stats = _hooked_metrics()
+    sync_with_xcoll(c), sync_with_xcoll(stats)
+    for m in (c, plain_c):
+        _hooked_updates(m, stats if m is c else plain_stats, 2, "cpu")
+    got, want = c.compute(), plain_c.compute()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(stats.compute(), plain_stats.compute())

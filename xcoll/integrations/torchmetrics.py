@@ -1,26 +1,33 @@
 """torchmetrics through xcoll: every state of every metric in one call.
 
 torchmetrics syncs through torch.distributed, one state tensor at a time, and is
-not XLA-aware. :func:`compute` gathers all states of a ``Metric`` or a
-``MetricCollection`` with a single uneven :func:`xcoll.gather` (so list states of
-different lengths and empty ones are fine: where a metric has list states, one
-small gather of their layouts comes first, so that a replica that saw no data
-sends no rows of the others' dtype and shape), applies each state's own reduction,
-computes, and restores the local states so that accumulation can go on::
+not XLA-aware. Here all states of a ``Metric`` or a ``MetricCollection`` travel
+in a single uneven :func:`xcoll.gather`: tensor states stacked, list states as
+their rows' bytes with their dtype and row shape (Python ints, which ride in
+the gather's own shape exchange), so list states of different lengths are fine
+and a replica that saw no data takes the others' layout. Each state's own
+reduction is applied after, and the local states are restored so that
+accumulation goes on.
 
-    from xcoll.integrations.torchmetrics import compute
+Two ways in. :func:`sync_with_xcoll` makes ``metric.compute()`` itself (and so
+Lightning's logging, and any code that calls it) sync this way::
 
-    metrics = MetricCollection({"acc": MulticlassAccuracy(5), "loss": MeanMetric()}).to(dev)
+    from xcoll.integrations.torchmetrics import sync_with_xcoll
+
+    metrics = sync_with_xcoll(MetricCollection({"acc": MulticlassAccuracy(5), "loss": MeanMetric()}).to(dev))
     for batch in loader:
         metrics.update(...)          # no sync inside the loop
-    values = compute(metrics)        # one xcoll call for every state of every metric
+    values = metrics.compute()       # one xcoll call for every state of every metric
 
-The same code runs on XLA replicas, on torch.distributed and in one process.
+and :func:`compute` does it once for a metric left as it is
+(``values = compute(metrics)``). The same code runs on XLA replicas, on
+torch.distributed and in one process.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from typing import Any, TypeVar
 
 import torch
 from torchmetrics import Metric, MetricCollection
@@ -28,6 +35,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 
 import xcoll
 
+M = TypeVar("M", Metric, MetricCollection)
 
 def _members(metric: Metric | MetricCollection) -> dict[str, Metric]:
     if isinstance(metric, MetricCollection):
@@ -44,75 +52,88 @@ _DTYPES = (
 _DIMS = 6
 
 
-def _list_states(members: dict[str, Metric]) -> list[tuple[str, str]]:
-    """Every list state, as ``(member, state)``, in one order on every replica."""
-    return [
-        (name, attr)
-        for name, m in members.items()
-        for attr in m._reductions
-        if isinstance(getattr(m, attr), list)
-    ]
-
-
-def _layout(name: str, attr: str, value: list[torch.Tensor]) -> list[int]:
+def _layout(name: str, attr: str, rows: torch.Tensor | None) -> list[int]:
     """A list state's layout: its dtype (an index of :data:`_DTYPES`, -1
     where it holds nothing), then the shape of its rows (their number of
     dims, then each, zeros after)."""
-    if not value:
+    if rows is None:
         return [-1] + [0] * (_DIMS + 1)
-    t = dim_zero_cat(value)  # (its dtype: torch.cat's of the list's, which may differ)
-    shape = list(t.shape[1:])
-    if len(shape) > _DIMS or t.dtype not in _DTYPES:
+    shape = list(rows.shape[1:])
+    if len(shape) > _DIMS or rows.dtype not in _DTYPES:
         raise ValueError(
-            f"{name or 'metric'}.{attr}: a list state of {t.dtype} rows of shape {tuple(shape)}; "
+            f"{name or 'metric'}.{attr}: a list state of {rows.dtype} rows of shape {tuple(shape)}; "
             f"xcoll syncs list states of rows of at most {_DIMS} dims, of the dtypes {_DTYPES}"
         )
-    return [_DTYPES.index(t.dtype), len(shape), *shape] + [0] * (_DIMS - len(shape))
+    return [_DTYPES.index(rows.dtype), len(shape), *shape] + [0] * (_DIMS - len(shape))
 
 
-def _list_layouts(members: dict[str, Metric], group: Any) -> dict[tuple[str, str], list[int]]:
-    """Each list state's layout (:func:`_layout`) as the first replica that
-    holds rows has it (-1 first where none does): a replica whose list state
-    is empty (it saw no data) sends no rows of that dtype and shape. One
-    small call, made where the metric has list states."""
-    keys = _list_states(members)
-    if not keys:
-        return {}
-    mine = [_layout(name, attr, getattr(members[name], attr)) for name, attr in keys]
-    every = xcoll.gather(mine, stack=True, group=group)  # (per value, the replicas' W)
-    rows = [list(zip(*state, strict=True)) for state in every]  # (per state, per replica)
-    return {key: list(next((r for r in rows[k] if r[0] >= 0), rows[k][0])) for k, key in enumerate(keys)}
+def _local_list(m: Metric, name: str, attr: str) -> dict[str, Any]:
+    """A list state as its rows' bytes and their layout: a replica that saw
+    no data sends no bytes, and reads the dtype and row shape from the others'."""
+    value = getattr(m, attr)
+    # (the concatenation's dtype: torch.cat's of the list's, which may differ)
+    rows = dim_zero_cat(value) if value else None
+    if rows is None:
+        data = torch.zeros(0, dtype=torch.uint8, device=m.device)
+    else:
+        data = rows.contiguous().reshape(-1).view(torch.uint8)
+    return {"bytes": data, "layout": _layout(name, attr, rows)}
 
 
-def _local_states(m: Metric, name: str, layouts: dict[tuple[str, str], list[int]]) -> dict[str, torch.Tensor]:
-    """Each state as one tensor of at least one dim (list states concatenated;
-    an empty one as no rows of the others' layout)."""
-    out = {}
+def _local_states(m: Metric, name: str) -> dict[str, Any]:
+    """Each tensor state with one more dim (a row per replica, once
+    gathered), each list state as :func:`_local_list`."""
+    out: dict[str, Any] = {}
     for attr in m._reductions:
         value = getattr(m, attr)
-        if isinstance(value, list) and value:
-            value = dim_zero_cat(value)
-        elif isinstance(value, list):
-            code, dims, *shape = layouts[(name, attr)]
-            # (where no replica has rows: the metric's dtype, dropped after)
-            dtype = _DTYPES[code] if code >= 0 else m.dtype
-            value = torch.zeros((0, *shape[:dims]), dtype=dtype, device=m.device)
-        out[attr] = (
-            value.reshape(1, *value.shape) if not isinstance(getattr(m, attr), list) else value
-        )
+        if isinstance(value, list):
+            out[attr] = _local_list(m, name, attr)
+        else:
+            out[attr] = value.reshape(1, *value.shape)
     return out
+
+
+def _joined_list(name: str, attr: str, every: dict[str, Any]) -> Any:
+    """A list state's rows from every replica, in rank order (``[]`` where no
+    replica has any, as torchmetrics' own sync leaves it); the replicas that
+    have rows must agree on their dtype and row shape."""
+    layouts = {x for x in zip(*every["layout"], strict=True) if x[0] >= 0}
+    if not layouts:
+        return []
+    if len(layouts) > 1:
+        raise xcoll.CollectiveMismatchError(
+            f"{name or 'metric'}.{attr}: the replicas' list states differ in dtype or row "
+            f"shape (layouts {sorted(layouts)}: an index of {_DTYPES}, dims, shape)"
+        )
+    code, dims, *shape = layouts.pop()
+    data, dtype = every["bytes"], _DTYPES[code]
+    if data.storage_offset() % dtype.itemsize:  # (a view into the packed buffer)
+        data = data.clone()
+    return data.view(dtype).reshape(-1, *shape[:dims])
 
 
 def sync_states(
     metric: Metric | MetricCollection, *, group: Any = None
 ) -> dict[str, dict[str, Any]]:
-    """Every metric's states reduced over all replicas, ``{member: {state: value}}``,
-    from one xcoll call; each state reduced by its own ``dist_reduce_fx``."""
+    """Every metric's states reduced over all replicas, from one xcoll call.
+
+    Args:
+        metric: a ``Metric`` or a ``MetricCollection``; left unmodified.
+        group: as in :func:`xcoll.gather`.
+
+    Returns:
+        ``{member: {state: value}}`` (the member ``""`` for a single
+        ``Metric``): tensor states stacked (a row per replica) and reduced by
+        their own ``dist_reduce_fx``; list states as one tensor of every
+        replica's rows in rank order, or ``[]`` where no replica has any.
+
+    Raises:
+        ValueError: a list state of rows of more than 6 dims or of another
+            dtype than :data:`_DTYPES`, naming it.
+        CollectiveMismatchError: the replicas' states differ in dtype or shape.
+    """
     members = _members(metric)
-    layouts = _list_layouts(members, group)
-    local = {name: _local_states(m, name, layouts) for name, m in members.items()}
-    # One call: tensor states are stacked (one row per replica), list states
-    # concatenated, whatever their lengths.
+    local = {name: _local_states(m, name) for name, m in members.items()}
     every = xcoll.gather(local, uneven=True, group=group)
     synced: dict[str, dict[str, Any]] = {}
     for name, m in members.items():
@@ -120,18 +141,33 @@ def sync_states(
         for attr, fx in m._reductions.items():
             value = every[name][attr]
             if isinstance(getattr(m, attr), list):
-                # cat states: already the concatenation; none where no replica
-                # had rows, as torchmetrics' own sync leaves them
-                synced[name][attr] = value if layouts[(name, attr)][0] >= 0 else []
+                synced[name][attr] = _joined_list(name, attr, value)
             else:  # (add_state keeps a str dist_reduce_fx as its function)
                 synced[name][attr] = fx(value) if callable(fx) else value
     return synced
 
 
 def compute(metric: Metric | MetricCollection, *, group: Any = None) -> Any:
-    """``metric.compute()`` over the states of every replica, synced in one xcoll
-    call. The metric keeps its local states afterwards (and caches the result as
-    torchmetrics does until the next update)."""
+    """``metric.compute()`` over the states of every replica, synced in one xcoll call.
+
+    Args:
+        metric: a ``Metric`` or a ``MetricCollection``; it keeps its local
+            states afterwards (and caches the result as torchmetrics does,
+            until the next update).
+        group: as in :func:`xcoll.gather`.
+
+    Returns:
+        What ``metric.compute()`` returns over every replica's data.
+
+    Raises:
+        ValueError: as in :func:`sync_states`.
+        CollectiveMismatchError: as in :func:`sync_states`.
+
+    >>> from torchmetrics import MeanMetric
+    >>> m = MeanMetric(); m.update(torch.tensor([1.0, 2.0, 6.0]))
+    >>> compute(m).item()  # (one process: its own data)
+    3.0
+    """
     members = _members(metric)
     synced = sync_states(metric, group=group)
     saved = {}
@@ -144,9 +180,66 @@ def compute(metric: Metric | MetricCollection, *, group: Any = None) -> Any:
             setattr(m, attr, value)
         m._is_synced, m._to_sync, m._computed = True, False, None
     try:
-        return metric.compute()
+        # (a collection's own compute: sync_with_xcoll's sets the instance's)
+        return metric.compute() if isinstance(metric, Metric) else type(metric).compute(metric)
     finally:
         for name, m in members.items():
             m._to_sync = saved[name]
             if m._is_synced:  # compute() failed before unsyncing
                 m.unsync()
+
+
+def _sync_dist(self: Metric, dist_sync_fn: Any = None, process_group: Any = None) -> None:
+    """torchmetrics' ``Metric._sync_dist`` (which ``sync()`` calls, with
+    its cache and unsync around it), through :func:`sync_states`."""
+    for attr, value in sync_states(self, group=process_group or self.process_group)[""].items():
+        setattr(self, attr, value)
+
+
+def _compute_collection(self: MetricCollection) -> Any:
+    """A collection's ``compute()``: every member's states in one call."""
+    members = list(_members(self).values())
+    return compute(self, group=members[0].process_group if members else None)
+
+
+def _distributed() -> bool:
+    """Whether torchmetrics should sync: on XLA replicas too."""
+    return xcoll.world_size() > 1
+
+
+def sync_with_xcoll(metric: M, *, group: Any = None) -> M:
+    """Makes ``metric.compute()`` sync every state of ``metric`` through one xcoll call.
+
+    torchmetrics' own ``sync()`` (which ``compute()``, ``forward`` with
+    ``dist_sync_on_step`` and Lightning's logging call) then moves all states
+    of a metric in one uneven gather instead of one collective per state,
+    syncs on XLA replicas too (torchmetrics reads torch.distributed only),
+    and is right where replicas called ``update`` a different number of
+    times. A collection's ``compute()`` syncs all its members in one call.
+
+    Args:
+        metric: a ``Metric`` or a ``MetricCollection``, changed in place: its
+            members' sync (and a collection's ``compute``). Members added to a
+            collection afterwards are not changed.
+        group: the process group (each member's ``process_group``); default:
+            the metric's own, else the default group or every XLA replica.
+
+    Returns:
+        ``metric`` itself.
+
+    Raises:
+        Nothing itself; ``compute()`` raises as :func:`compute` does.
+
+    >>> from torchmetrics import MeanMetric
+    >>> m = sync_with_xcoll(MeanMetric()); m.update(torch.tensor([1.0, 2.0, 6.0]))
+    >>> m.compute().item()  # (one process: no sync)
+    3.0
+    """
+    for m in _members(metric).values():
+        m._sync_dist = types.MethodType(_sync_dist, m)  # type: ignore[method-assign]
+        m.distributed_available_fn = _distributed
+        if group is not None:
+            m.process_group = group
+    if isinstance(metric, MetricCollection):
+        metric.compute = types.MethodType(_compute_collection, metric)  # type: ignore[method-assign]
+    return metric
