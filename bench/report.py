@@ -183,7 +183,27 @@ def markdown(results: dict) -> str:
         out.append("")
     out += _memory(results.get("memory", []))
     out += _overlap(results.get("overlap"))
+    out += _metrics_sync(results.get("metrics_sync"))
     return "\n".join(out)
+
+
+def _metrics_sync(report: dict | None) -> list[str]:
+    if not report:
+        return []
+    from bench.metrics_sync import table
+
+    return [
+        "## gloo: metric.compute()'s sync, torchmetrics' own against xcoll's",
+        "",
+        f"`{report['command']}` on {report['date']} (`bench/metrics_sync.py`: a metric of 10 "
+        "sum states, and a MetricCollection of accuracy, binary AUROC (two list states) and a "
+        "mean; rank r updates r + 1 times). Median ms of one `compute()` with its cache "
+        "cleared (rank 0), and the collectives it issues (the profiler's `gloo:` events); "
+        "every way's values equal torchmetrics' own bit for bit.",
+        "",
+        table(report),
+        "",
+    ]
 
 
 def _overlap(overlap: dict | None) -> list[str]:

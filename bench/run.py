@@ -12,7 +12,8 @@ transfers (torch_xla's metrics), or process-group collectives (the torch
 profiler's ``gloo:`` events); then the peak memory of one call on a leaf of 1
 GiB (:mod:`bench.memory`; a gather of 64 MiB with ``--quick``); then an
 evaluation loop whose gathers are in flight against the blocking one
-(:mod:`bench.overlap`, gloo W=2 and W). It writes ``results.json``, ``results.md`` (the
+(:mod:`bench.overlap`, gloo W=2 and W); then ``metric.compute()``'s sync,
+torchmetrics' own against xcoll's (:mod:`bench.metrics_sync`). It writes ``results.json``, ``results.md`` (the
 tables, with each peer's time over xcoll's) and ``results.png`` (time per call
 against leaves, log-log) to ``--out``.
 
@@ -197,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # (--quick: one small world, a few batches)
     in_flight = overlap.run([2], 4, 1) if a.quick else overlap.run(sorted({2, w}), 20, 5)
+    from bench import metrics_sync
+
+    synced = metrics_sync.run([2], 2) if a.quick else metrics_sync.run(sorted({2, w}), 30)
     import torch
 
     results = {
@@ -208,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cells": cells,
         "memory": peaks,
         "overlap": in_flight,
+        "metrics_sync": synced,
     }
     from bench import report
 

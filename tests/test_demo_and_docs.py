@@ -164,6 +164,14 @@ def test_bench_quick_runs_and_reports_well_formed_numbers(tmp_path):
     flight = report.split("## gloo: an evaluation loop whose gathers are in flight", 1)[1]
     assert len(re.findall(r"^\| a (matmul|sleep as long): .* \| [0-9.]+ \([0-9.]+x\) \|$", flight, re.M)) == 6
     assert len(re.findall(r"^\| gloo W=2, a .*: the loop in flight at most 0.8x the blocking one \| [0-9.]+x \|", flight, re.M)) == 2
+    # metric.compute()'s sync (--quick: W=2): xcoll's is one call, two
+    # collectives (sizes, then the data), for a metric and a collection
+    synced = results["metrics_sync"]["worlds"]["2"]
+    for metric in ("10 states", "collection"):
+        assert synced[f"{metric}: sync_with_xcoll"]["collectives"] == 2, synced
+        assert synced[f"{metric}: torchmetrics' own sync"]["collectives"] > 2, synced
+    assert synced["10 states: per-tensor dist_sync_fn"]["collectives"] == 10, synced
+    assert "## gloo: metric.compute()'s sync, torchmetrics' own against xcoll's" in report
     png = (tmp_path / "results.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 

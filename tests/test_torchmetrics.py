@@ -318,3 +318,22 @@ def test_the_hook_leaves_one_process_alone():
     got, want = c.compute(), plain_c.compute()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert torch.equal(stats.compute(), plain_stats.compute())
+
+
+def _rows_of_another_shape(_=None):
+    m = CatMetric()
+    m.update(torch.zeros(3) if xcoll.rank() == 0 else torch.zeros(2, 3))
+    try:
+        compute(m)
+        text = "returned"
+    except xcoll.CollectiveMismatchError as e:
+        text = str(e)
+    return text, xcoll.reduce(torch.ones(1)).item()
+
+
+def test_replicas_whose_list_states_differ_in_row_shape_raise_on_every_replica():
+    pool = shared_pool("gloo-2")
+    for r, (text, after) in enumerate(pool.run(_rows_of_another_shape, [None] * 2)):
+        assert text.startswith("metric.value: the replicas' list states differ in dtype or row shape"), (r, text)
+        assert text.endswith(": rank 0 has torch.float32 rows of shape (); rank 1 has torch.float32 rows of shape (3,)"), (r, text)
+        assert after == 2, (r, text)

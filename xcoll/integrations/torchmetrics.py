@@ -97,13 +97,17 @@ def _joined_list(name: str, attr: str, every: dict[str, Any]) -> Any:
     """A list state's rows from every replica, in rank order (``[]`` where no
     replica has any, as torchmetrics' own sync leaves it); the replicas that
     have rows must agree on their dtype and row shape."""
-    layouts = {x for x in zip(*every["layout"], strict=True) if x[0] >= 0}
+    ranks = {r: x for r, x in enumerate(zip(*every["layout"], strict=True)) if x[0] >= 0}
+    layouts = set(ranks.values())
     if not layouts:
         return []
     if len(layouts) > 1:
+        first: dict[tuple[int, ...], str] = {}
+        for r, (code, dims, *shape) in ranks.items():
+            first.setdefault((code, dims, *shape), f"rank {r} has {_DTYPES[code]} rows of shape {tuple(shape[:dims])}")
         raise xcoll.CollectiveMismatchError(
-            f"{name or 'metric'}.{attr}: the replicas' list states differ in dtype or row "
-            f"shape (layouts {sorted(layouts)}: an index of {_DTYPES}, dims, shape)"
+            f"{name or 'metric'}.{attr}: the replicas' list states differ in dtype or row shape: "
+            + "; ".join(first.values())
         )
     code, dims, *shape = layouts.pop()
     data, dtype = every["bytes"], _DTYPES[code]
