@@ -615,18 +615,16 @@ except Exception as e:
 """
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_size_mismatch_on_gloo_kills_one_replica_and_the_others_raise(tmp_path, world):
-    """gloo aborts the rank that receives more bytes than it expects; every
-    other rank raises an xcoll error naming the call (processes started as
-    torchrun starts them)."""
+def _torchrun_like(tmp_path, text: str, world: int, *args: str) -> list[tuple[str, str, int]]:
+    """``text`` run as a script in ``world`` processes started as torchrun
+    starts them: each one's stdout, stderr and exit status."""
     import os
     import socket
     import subprocess
     import sys
 
     script = tmp_path / "worker.py"
-    script.write_text(_SIZE_MISMATCH)
+    script.write_text(text)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -642,7 +640,7 @@ def test_a_size_mismatch_on_gloo_kills_one_replica_and_the_others_raise(tmp_path
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script)],
+                [sys.executable, str(script), *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -650,9 +648,18 @@ def test_a_size_mismatch_on_gloo_kills_one_replica_and_the_others_raise(tmp_path
             )
         )
     outs = [p.communicate(timeout=120) for p in procs]
+    return [(out, err, p.returncode) for (out, err), p in zip(outs, procs, strict=True)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_size_mismatch_on_gloo_kills_one_replica_and_the_others_raise(tmp_path, world):
+    """gloo aborts the rank that receives more bytes than it expects; every
+    other rank raises an xcoll error naming the call (processes started as
+    torchrun starts them)."""
+    outs = _torchrun_like(tmp_path, _SIZE_MISMATCH, world)
     # (the survivors' exit status is gloo's teardown after a broken connection,
     # not this test's subject)
-    assert procs[0].returncode != 0, outs[0]
+    assert outs[0][2] != 0, outs[0]
     assert "Received data size doesn't match expected size" in outs[0][1]
     for r in range(1, world):
         out = outs[r][0]
@@ -663,6 +670,48 @@ def test_a_size_mismatch_on_gloo_kills_one_replica_and_the_others_raise(tmp_path
         assert (
             "CollectiveMismatchError" in out and "tree['x']" in out
         ) or "replicas' calls differ" in out, out
+
+
+_JUST_OVER = """
+import datetime, sys, torch, torch.distributed as dist, xcoll
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=6))
+name, big = sys.argv[1], int(sys.argv[2])
+xcoll.gather({"x": torch.ones(2)})  # a consistent first call
+# 952 float32 elements: a small call (its buffer and header within the size
+# class, xcoll._encode.pack.SMALL); 1104 (4416 bytes): just over it
+n = 1104 if dist.get_rank() == big else 952
+try:
+    getattr(xcoll, name)({"x": torch.arange(float(n))})
+    print("returned normally", flush=True)
+except Exception as e:
+    print(f"raised {type(e).__name__}: {e}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("big", [0, 1])
+@pytest.mark.parametrize("name", ["gather", "reduce", "broadcast", "reduce_scatter", "all_to_all"])
+def test_a_call_just_over_the_size_class_on_one_replica_has_its_documented_outcome(tmp_path, name, big):
+    """docs/reliability.md: one replica's call just over 4 KiB against
+    another's small one. A gather's first collectives are all-gathers of
+    different sizes: gloo kills the replica that receives more than it
+    expects, and the other raises naming the call. The other ops' first
+    collectives differ in kind: both wait for the group's timeout (6 s here),
+    with the watchdog's diagnosis after 5 s, then raise naming the call.
+    Never a result."""
+    outs = _torchrun_like(tmp_path, _JUST_OVER, 2, name, str(big))
+    for r, (out, _, _) in enumerate(outs):
+        assert "returned normally" not in out, (r, out)
+    small = 1 - big
+    if name == "gather":
+        assert outs[small][2] != 0 and "Received data size doesn't match expected size" in outs[small][1]
+        # the guard's error where the killed replica's header arrived before
+        # its death, else the engine's naming the call (which one is timing)
+        told = ("CollectiveMismatchError: xcoll.gather: ", "RuntimeError: xcoll.gather: a collective did not complete")
+        assert any(f"\nraised {t}" in "\n" + outs[big][0] for t in told), outs[big]
+        return
+    for r, (out, err, _) in enumerate(outs):
+        assert f"\nraised RuntimeError: xcoll.{name}: a collective did not complete on rank {r}" in "\n" + out, (r, out, err)
+        assert f"xcoll: xcoll.{name} on rank {r} has waited 5 s for the other replicas" in err, (r, err)
 
 
 def _gloo_src(n):
