@@ -144,3 +144,39 @@ def engine_calls():
     finally:
         for name, descriptor in saved.items():
             setattr(dist.ProcessGroup, name, descriptor)
+
+
+def processes(tmp_path, text: str, world: int, *args: str) -> list[tuple[str, str, int]]:
+    """``text`` run as a script in ``world`` processes started as torchrun
+    starts them: each one's stdout, stderr and exit status."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(text)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(world):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=120) for p in procs]
+    return [(out, err, p.returncode) for (out, err), p in zip(outs, procs, strict=True)]

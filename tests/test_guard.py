@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import xcoll
-from tests.replicas import device, shared_pool
+from tests.replicas import device, processes, shared_pool
 
 MISMATCH = "xcoll.CollectiveMismatchError"
 
@@ -132,12 +132,12 @@ def test_a_calls_summary_names_its_parameters_and_first_lines():
         lines = [f"tree[{i}]: float32 tensor of shape (2)" for i in range(n)]
         lines += ["structure: PyTreeSpec([*])"] if n else []
         signature = _header.Signature("xcoll.gather", "dim=0", _check.Description(tuple(lines)), tag)
-        return _verdict._summary(signature)
+        return _verdict.summary(signature)
 
     head = "tag: (none); parameters: dim=0; "
     assert summary(0) == head + "no leaves"  # (objects: no description)
     empty = _check.Description(("structure: PyTreeSpec({})",))  # an empty tree
-    assert _verdict._summary(_header.Signature("xcoll.gather", "dim=0", empty)) == head + "no leaves"
+    assert _verdict.summary(_header.Signature("xcoll.gather", "dim=0", empty)) == head + "no leaves"
     assert summary(1) == head + "1 leaf: tree[0]: float32 tensor of shape (2); structure: PyTreeSpec([*])"
     leaf = "float32 tensor of shape (2)"
     assert summary(2) == head + f"2 leaves: tree[0]: {leaf}; tree[1]: {leaf}; structure: PyTreeSpec([*])"
@@ -615,48 +615,12 @@ except Exception as e:
 """
 
 
-def _torchrun_like(tmp_path, text: str, world: int, *args: str) -> list[tuple[str, str, int]]:
-    """``text`` run as a script in ``world`` processes started as torchrun
-    starts them: each one's stdout, stderr and exit status."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    script = tmp_path / "worker.py"
-    script.write_text(text)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(world):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(r),
-            LOCAL_RANK=str(r),
-            WORLD_SIZE=str(world),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = [p.communicate(timeout=120) for p in procs]
-    return [(out, err, p.returncode) for (out, err), p in zip(outs, procs, strict=True)]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_size_mismatch_on_gloo_kills_one_replica_and_the_others_raise(tmp_path, world):
     """gloo aborts the rank that receives more bytes than it expects; every
     other rank raises an xcoll error naming the call (processes started as
     torchrun starts them)."""
-    outs = _torchrun_like(tmp_path, _SIZE_MISMATCH, world)
+    outs = processes(tmp_path, _SIZE_MISMATCH, world)
     # (the survivors' exit status is gloo's teardown after a broken connection,
     # not this test's subject)
     assert outs[0][2] != 0, outs[0]
@@ -698,7 +662,7 @@ def test_a_call_just_over_the_size_class_on_one_replica_has_its_documented_outco
     collectives differ in kind: both wait for the group's timeout (6 s here),
     with the watchdog's diagnosis after 5 s, then raise naming the call.
     Never a result."""
-    outs = _torchrun_like(tmp_path, _JUST_OVER, 2, name, str(big))
+    outs = processes(tmp_path, _JUST_OVER, 2, name, str(big))
     for r, (out, _, _) in enumerate(outs):
         assert "returned normally" not in out, (r, out)
     small = 1 - big

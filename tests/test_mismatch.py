@@ -411,6 +411,49 @@ def test_ranks_with_different_batch_counts_raise_on_every_replica(world):
         assert after == w, (r, text)
 
 
+_LEAVES = """
+import datetime, sys, time, torch, torch.distributed as dist, xcoll
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+rank, world = dist.get_rank(), dist.get_world_size()
+xcoll.barrier()
+start = time.monotonic()
+try:
+    # the last rank's shard has one batch fewer, and its script ends there
+    for i in range(3 if rank < world - 1 else 2):
+        xcoll.gather({"preds": torch.full((4,), float(i + rank))})
+    if rank == world - 1:
+        print(f"rank {rank}: left", flush=True)
+    else:
+        xcoll.reduce({"loss": torch.tensor(0.5)})
+        print(f"rank {rank}: returned normally", flush=True)
+except Exception as e:
+    print(f"rank {rank}: raised {type(e).__name__} after {time.monotonic() - start:.0f} s: {e}", flush=True)
+dist.destroy_process_group()  # (a clean exit: docs/launchers.md)
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_replica_that_left_is_named_with_its_last_call_by_every_replica_waiting(tmp_path, world):
+    # under torchrun (whose agent keeps the job's store), the replicas still
+    # in the loop raise within seconds (the group's timeout is 90 s), naming
+    # the replica that left and its last call
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaves.py"
+    script.write_text(_LEAVES)
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    done = subprocess.run([*run, str(script)], capture_output=True, text=True, timeout=180)
+    said = {int(line.split(":")[0][5:]): line.split(": ", 1)[1] for line in done.stdout.splitlines() if line.startswith("rank ")}
+    assert said.get(world - 1) == "left", done.stdout + done.stderr[-3000:]
+    for r in range(world - 1):
+        text = said.get(r, "")
+        assert text.startswith("raised RuntimeError after "), (r, done.stdout, done.stderr[-3000:])
+        assert int(text.split(" after ", 1)[1].split(" s:", 1)[0]) < 30, (r, text)
+        assert f"xcoll.gather: a collective did not complete on rank {r}: " in text, (r, text)
+        assert f"rank {world - 1} has left (its process exited) after its call 3 on the group, xcoll.gather (" in text, (r, text)
+
+
 # ---- small calls whose sizes differ, in either direction ---------------------------
 
 _SIZED = ["gather", "reduce", "broadcast", "reduce_scatter", "all_to_all"]

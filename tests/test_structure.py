@@ -45,6 +45,7 @@ LAYERS = {
         ["xcoll._guard.check"],
         ["xcoll._guard.header"],
         ["xcoll._guard.verdict"],
+        ["xcoll._guard.leaving"],
         ["xcoll._guard.order"],
         ["xcoll._guard.entry"],
     ],

@@ -280,6 +280,17 @@ class Transport(ABC):
         call) once a sync has run it (lazy engines)."""
         raise NotImplementedError(f"{type(self).__name__} runs no graph: nothing waits for a sync")
 
+    def say_left(self, text: str) -> None:
+        """Tells the other replicas, where the engine keeps a place for it,
+        that this process exits after ``text`` (its last call on the group:
+        :mod:`xcoll._guard.leaving`). Replicas that exit together (XLA's
+        threads) say nothing."""
+
+    def left(self) -> list[tuple[int, str]]:
+        """The ranks of this group that said they left (:meth:`say_left`),
+        with their text."""
+        return []
+
     def settle(self) -> None:
         """Reads the deferred verdicts that a sync has run (each raises where
         the replicas' calls differ, on every replica); called at each call's

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,10 @@ class _Group:
     world: int
     rank: int
     nccl: bool
+    #: The job's store, where a replica whose process exits says so
+    #: (:meth:`DistTransport.say_left`): kept, as destroy_process_group
+    #: (which a clean exit calls first) forgets it.
+    store: Any
 
 
 # process group -> its _Group (weakly: a group destroyed is forgotten)
@@ -96,8 +100,14 @@ def _group(pg: Any) -> _Group:
         dist.get_world_size(pg),
         dist.get_rank(pg),
         dist.get_backend(pg) == "nccl",
+        dist.distributed_c10d._get_default_store(),
     )
     return g
+
+
+def _left_key(group_key: Hashable, rank: int) -> str:
+    """Where rank ``rank`` of a group says it left, in the job's store."""
+    return f"xcoll/left/{group_key[1]}/{rank}"  # type: ignore[index]
 
 
 class DistTransport(Transport):
@@ -116,7 +126,7 @@ class DistTransport(Transport):
         # _Group; a group passed as ``group`` is the caller's, held anyway)
         self._pg = weakref.ref(pg)
         g = _groups.get(pg) or _group(pg)
-        self.group_key, self.world, self._rank = g.key, g.world, g.rank
+        self.group_key, self.world, self._rank, self._store = g.key, g.world, g.rank, g.store
         if device is None:  # no tensor leaves: scalars go where this group's backend works
             device = torch.device("cuda", torch.cuda.current_device()) if g.nccl else _CPU
         self.device = device
@@ -137,6 +147,13 @@ class DistTransport(Transport):
         if self.group is None:
             return f"rank {rank}"
         return f"rank {rank} of the group (global rank {dist.get_global_rank(self.group, rank)})"
+
+    def say_left(self, text: str) -> None:
+        self._store.set(_left_key(self.group_key, self._rank), text)
+
+    def left(self) -> list[tuple[int, str]]:
+        keys = {r: _left_key(self.group_key, r) for r in range(self.world) if r != self._rank}
+        return [(r, self._store.get(k).decode()) for r, k in keys.items() if self._store.check([k])]
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         if buf.dtype in _WIDER:

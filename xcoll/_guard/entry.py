@@ -13,6 +13,7 @@ from typing import Any
 
 from .._backends.base import EngineError, Transport
 from . import check as _check
+from . import leaving as _leaving
 from . import order as _order
 from . import steps as _steps
 from . import watchdog as _watchdog
@@ -80,6 +81,7 @@ class entered:
             signature = Signature(self.name, self.head, d, tag, number)
             w = t.world
             if w > 1:
+                _leaving.last[t.group_key] = t, signature  # (what an exit names)
                 # (this thread's transport: on XLA the rank is per thread)
                 self.watch = _watchdog.watch(
                     lambda seconds: diagnosis(t.rank_name(t.rank()), signature, seconds, t.lazy)
@@ -119,9 +121,11 @@ class entered:
 
 
 def engine_failure(t: Transport, name: str, error: EngineError) -> RuntimeError:
-    """The engine's failure to complete a collective of call ``name``, in xcoll's words."""
+    """The engine's failure to complete a collective of call ``name``, in
+    xcoll's words, naming first the replicas that said they left."""
     return RuntimeError(
-        f"{name}: a collective did not complete on {t.rank_name(t.rank())}: {error} "
+        f"{name}: a collective did not complete on {t.rank_name(t.rank())}: "
+        f"{_leaving.who_left(t)}{error} "
         "(a replica that never arrived, or that the engine stopped. A replica whose code "
         "raised before this call, and that went on, is one call behind: tag the calls "
         "(tag=, xcoll.step) to name it. gloo kills a rank that receives a larger buffer "

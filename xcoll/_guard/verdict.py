@@ -30,7 +30,7 @@ def fire(
         )
     if src is not None:
         raise _check.CollectiveMismatchError(
-            f"{s.name}: this replica's call ({rank}: {_summary(s)}) differs from the call of "
+            f"{s.name}: this replica's call ({rank}: {summary(s)}) differs from the call of "
             f"src, {transport.rank_name(src)}; run with XCOLL_CHECK=always to name the difference"
         )
     try:
@@ -42,7 +42,7 @@ def fire(
         # is smaller than the one it receives) cannot take part
         raise _check.CollectiveMismatchError(
             f"{s.name}: the replicas' calls differ (the guard's fingerprints disagree on "
-            f"{rank}: {_summary(s)}); naming the difference failed: {e}"
+            f"{rank}: {summary(s)}); naming the difference failed: {e}"
         ) from e
     raise _check.CollectiveMismatchError(
         f"{s.name}: the guard's fingerprints disagree on {rank}, but the replicas' "
@@ -51,7 +51,7 @@ def fire(
     )
 
 
-def _summary(s: Signature) -> str:
+def summary(s: Signature) -> str:
     """The call in a line: its tag, parameters and its description's first
     three lines ("..." where there are more)."""
     lines = s.description.lines  # (each leaf's, then the structure's)
@@ -72,7 +72,7 @@ def diagnosis(rank: str, signature: Signature, seconds: float, lazy: bool = Fals
     is per thread; ``lazy``: on XLA, whose own causes it names too)."""
     return (
         f"xcoll: {signature.name} on {rank} has waited {seconds:.0f} s for the other replicas. "
-        f"This replica's call: {_summary(signature)}; description "
+        f"This replica's call: {summary(signature)}; description "
         f"{signature.description.digest.hex()[:16]}. {causes(lazy)}"
     )
 
