@@ -40,7 +40,7 @@ BOUNDS = {
         "broadcast, 1 leaf": 121 + 15,
         "reduce, 3-leaf metrics": 120 + 15,
         "gather grad=True, 1 leaf": 142 + 15,
-        "reduce in a step, 1 leaf": 196 + 15,
+        "reduce in a step, 1 leaf": 264 + 15,
     },
     "xla-cpu-2": {
         "reduce, 1 leaf": 172 + 30,
@@ -53,8 +53,11 @@ BOUNDS = {
 }
 
 
-#: A step block's Python-level calls around a 1-leaf reduce, on either engine.
-STEP = 79
+#: A step block's Python-level calls around a 1-leaf reduce: its tag, the
+#: place read from the frames, and on gloo its end's check (a small guarded
+#: exchange of its own, which compares the block's number of calls on every
+#: replica; not yet on XLA).
+STEP = {"gloo-2": 147, "xla-cpu-2": 79}
 
 
 @pytest.mark.parametrize("world", sorted(BOUNDS))
@@ -67,9 +70,10 @@ def test_a_warm_call_makes_at_most_its_bound_of_python_level_calls(world):
     assert 0 < counts["plain"] < min(BOUNDS[world].values())
     # A step block's own cost, whatever state the pool's earlier calls left
     # (which adds alike to both cells): its tag, the place read from the
-    # frames and known again (its text made each call instead: 12 more).
+    # frames and known again (its text made each call instead: 12 more), its
+    # end's check.
     step = counts["reduce in a step, 1 leaf"] - counts["reduce, 1 leaf"]
-    assert step <= STEP + 4, (step, counts)
+    assert step <= STEP[world] + 4, (step, counts)
 
 
 def test_a_warm_call_on_a_fresh_gloo_world_meets_its_target():

@@ -752,6 +752,18 @@ def _deep(n: int, x):
     return xcoll.reduce(x)
 
 
+@contextlib.contextmanager
+def _ends_raising(start: str):
+    """The block raises CollectiveMismatchError, its text starting ``start``
+    (a step inside which a call raised it raises it again at its end)."""
+    try:
+        yield
+    except xcoll.CollectiveMismatchError as e:
+        assert str(e).startswith(start), str(e)
+    else:
+        raise AssertionError(f"no error starting {start!r}")
+
+
 def _tags_read_whole(_):
     """Four mismatches (rank 0 against the others) whose tags the test reads
     whole: nested blocks with a call's own tag=, a place more than 8 frames
@@ -766,10 +778,10 @@ def _tags_read_whole(_):
         except xcoll.CollectiveMismatchError as e:
             texts.append(str(e).rpartition("the first difference: ")[2])
 
-    with xcoll.step("eval"), xcoll.step(3):
+    with _ends_raising("xcoll.step(3): "), xcoll.step("eval"), xcoll.step(3):
         xcoll.reduce(x)
         mismatch(tag="a" if rank == 0 else "b")
-    with xcoll.step(0):
+    with _ends_raising("xcoll.step(0): "), xcoll.step(0):
         try:
             _deep(10 if rank == 0 else 0, x)  # (the line the test names)
         except xcoll.CollectiveMismatchError as e:
@@ -912,3 +924,62 @@ def test_an_untagged_backward_is_named_by_its_forwards_number_in_its_thread():
             f"xcoll.gather backward: replicas made different calls; the first difference: "
             f"this replica (rank {rank}) has tag: {mine[rank]}; rank {1 - rank} has tag: {mine[1 - rank]}"
         ], (rank, out)
+
+
+# ---- a skip inside a step: every replica raises by the block's end ---------------
+
+
+def _skip_inside_a_step(pattern: str):
+    """The last replica's own code raises (caught) before one call of a
+    loop inside a step, whose calls come from one line: the block's error
+    text on this replica (or "returned"), then a consistent call's result."""
+    rank, w, dev = xcoll.rank(), xcoll.world_size(), device()
+    skipper = rank == w - 1
+    got: dict = {}
+    xcoll.barrier()  # (a group's first call is checked in full: these are not)
+    try:
+        with xcoll.step(0):
+            if pattern == "metric keys":
+                for i, key in enumerate(("loss", "acc", "count")):
+                    try:
+                        if skipper and key == "acc":
+                            raise KeyError(key)
+                        got[key] = xcoll.reduce(torch.full((2,), float(i + 1)).to(dev))
+                    except Exception:  # (as loops that go on past a bad key do)
+                        continue
+            elif pattern == "an epoch":
+                for batch in range(3):
+                    try:
+                        if skipper and batch == 1:
+                            raise ValueError("a bad batch")
+                        got[batch] = xcoll.gather(torch.full((2,), float(10 * batch + rank)).to(dev))
+                    except Exception:
+                        continue
+            elif pattern == "two calls on one line":
+                for i in range(2):
+                    got[i] = (xcoll.reduce(torch.ones(1).to(dev)) if not (skipper and i == 0) else None), xcoll.reduce(torch.full((1,), 7.0).to(dev))
+            else:  # snippets run with exec, from one loop line
+                for i in range(3):
+                    code = f"if skipper and {i} == 1: raise KeyError({i})\ngot[{i}] = xcoll.reduce(torch.full((2,), {i + 1.0}).to(dev))"
+                    try:
+                        exec(code, {"xcoll": xcoll, "torch": torch, "dev": dev, "skipper": skipper, "got": got})
+                    except Exception:  # (as loops that go on past a bad key do)
+                        continue
+        text = "returned"
+    except xcoll.CollectiveMismatchError as e:
+        text = str(e)
+    return text, xcoll.reduce(torch.ones(1).to(dev)).item()
+
+
+@pytest.mark.parametrize("pattern", ["metric keys", "an epoch", "two calls on one line", "exec"])
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+def test_a_skip_inside_a_step_raises_on_every_replica_by_the_blocks_end(world, pattern):
+    # (the skipped call's place and number agree with the others' next call:
+    # they pair, and only the block's end can tell; no result leaves it)
+    pool = shared_pool(world)
+    w = pool.world_size
+    for r, (text, after) in enumerate(pool.run(_skip_inside_a_step, [pattern] * w, timeout=120)):
+        assert text.startswith(("xcoll.step", "xcoll.reduce", "xcoll.gather")), (r, text)
+        if r == w - 1:  # (its end met another replica's call, and names both)
+            assert "has call xcoll.step; rank " in text, (r, text)
+        assert after == w, (r, text)  # (the group goes on)

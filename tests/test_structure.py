@@ -65,7 +65,7 @@ LAYERS = {
         ["xcoll._core.uneven"],
         ["xcoll._core.grad"],
     ],
-    "xcoll": [["xcoll._samples"], ["xcoll._collectives"], ["xcoll._objects", "xcoll._rng"]],
+    "xcoll": [["xcoll._samples"], ["xcoll._collectives"], ["xcoll._objects", "xcoll._rng", "xcoll._step"]],
 }
 
 

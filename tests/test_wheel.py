@@ -66,7 +66,7 @@ import torch, xcoll
 checkout = {checkout!r}
 assert not xcoll.__file__.startswith(checkout + os.sep), xcoll.__file__
 for name in ["xcoll", "xcoll._collectives", "xcoll._objects", "xcoll._encode.codec", "xcoll._rng",
-             "xcoll._samples", "xcoll._guard.steps", "xcoll._guard.check", "xcoll.testing._pools"]:
+             "xcoll._samples", "xcoll._step", "xcoll._guard.check", "xcoll.testing._pools"]:
     failed, tried = doctest.testmod(importlib.import_module(name))
     assert tried and not failed, name
 batch = {{"logits": torch.randn(8, 5), "labels": torch.randint(0, 5, (8,))}}

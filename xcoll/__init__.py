@@ -26,10 +26,10 @@ from ._encode.codec import decode as decode_object
 from ._encode.codec import encode as encode_object
 from ._guard.check import CollectiveMismatchError, consistency_checks
 from ._guard.entry import ConcurrentCallError
-from ._guard.steps import step
 from ._objects import barrier, broadcast_object, gather_object
 from ._rng import rng_state, set_rng_state, sync_rng_state
 from ._samples import by_index
+from ._step import step
 
 __all__ = [
     "gather",

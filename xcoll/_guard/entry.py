@@ -74,7 +74,7 @@ class entered:
             if t.lazy:  # (an earlier sync=False call's verdict, where a sync has run it)
                 t.settle()
             try:
-                tag, number = _steps.tag(t.group_key, self.explicit)
+                tag, number = _steps.tag(t, self.explicit)
             except TypeError as e:
                 tag, number, error = "", 0, error or e
             d = self.description or _check.Description(())
@@ -116,6 +116,8 @@ class entered:
         claimed, self.claimed = self.claimed, None
         if claimed is not None:
             release(self.transport, claimed, self.name, failed=value is not None)
+        if value is not None and isinstance(value, _check.CollectiveMismatchError):
+            _steps.failed()  # (its steps raise at their ends, even where it is caught)
         if value is not None and isinstance(value, EngineError):
             raise engine_failure(self.transport, self.name, value) from value
 

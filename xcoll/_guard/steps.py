@@ -53,8 +53,12 @@ class _Block:
     prefix: str
     #: The frame whose ``with`` opened the block: a call's place ends there.
     frame: FrameType | None
-    #: calls entered so far in this block, per process group (Transport.group_key)
-    calls: dict[Hashable, int] = field(default_factory=dict)
+    #: per process group (Transport.group_key), in the order of first use:
+    #: its transport and the calls entered on it so far in this block
+    groups: dict[Hashable, list[Any]] = field(default_factory=dict)
+    #: whether a call inside the block raised CollectiveMismatchError (even
+    #: one that the block's own code caught): the block's end raises too
+    failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,56 +83,33 @@ def check(tag: Any) -> str:
     return f"{text[: LONGEST - 24]}... (sha256 {digest})"
 
 
-class step:
-    """Tags every xcoll call that this thread makes inside the block.
-
-    A call's tag becomes ``step <tags of the open blocks, outermost first>,
-    call <n> at <place>``, where ``n`` counts the calls on the call's process
-    group since the innermost block opened, and ``place`` is where the
-    program made the call: ``file:line in function`` for each frame from the
-    call up to the block's own line (at most 8), file names without their
-    folders. So a replica whose own code raised before a call (caught inside
-    the block) and that goes on to the step's next call is named at that
-    call, and a replica that skipped the step's last call is named where the
-    others' next step begins. Every replica must open the same blocks around
-    the same calls; where a replica's call meets a call with another tag,
-    every replica raises :class:`xcoll.CollectiveMismatchError` naming both.
-    A call with ``tag=`` inside a block is named by the blocks and that tag,
-    not by its place: give one ``tag=`` to a call that different replicas
-    make from different lines (``if rank == 0: xcoll.broadcast(x) else:
-    xcoll.broadcast(y)``).
-
-    Args:
-        tag: the step's name, a str or an int (e.g. the batch index).
-
-    Raises:
-        TypeError: ``tag`` is neither a str nor an int.
-
-    >>> import torch, xcoll
-    >>> for batch in range(2):
-    ...     with xcoll.step(batch):
-    ...         total = xcoll.reduce(torch.tensor([1.0]))
-    >>> total
-    tensor([1.])
-    """
-
-    def __init__(self, tag: str | int):
-        self.label = check(tag)
-
-    def __enter__(self) -> None:
-        blocks = _local.__dict__.setdefault("blocks", [])
-        prefix = f"{blocks[-1].prefix}/{self.label}" if blocks else f"step {self.label}"
-        blocks.append(_Block(prefix, _outside(sys._getframe(1))))
-
-    def __exit__(self, *exc: object) -> None:
-        _local.blocks.pop()
+def opened(label: str, frame: FrameType | None) -> None:
+    """Opens a step block named ``label`` (:func:`check`'s text) on this
+    thread, whose ``with`` line is in ``frame``."""
+    blocks = _local.__dict__.setdefault("blocks", [])
+    prefix = f"{blocks[-1].prefix}/{label}" if blocks else f"step {label}"
+    blocks.append(_Block(prefix, outside(frame)))
 
 
-def tag(group_key: Hashable, explicit: Any = None) -> tuple[str, int]:
-    """The tag of a call entered now on ``group_key``'s group, with its own
+def closed() -> _Block:
+    """Closes this thread's innermost step block; returns it."""
+    block: _Block = _local.blocks.pop()
+    return block
+
+
+def failed() -> None:
+    """Marks this thread's open blocks: a call inside raised
+    CollectiveMismatchError (each block's end raises too)."""
+    for block in _local.__dict__.get("blocks", ()):
+        block.failed = True
+
+
+def tag(transport: Any, explicit: Any = None) -> tuple[str, int]:
+    """The tag of a call entered now on ``transport``'s group, with its own
     ``explicit`` tag ("" for an untagged call outside any block; an
     :class:`Identity` is the tag), and its number among this thread's calls
     on that group (what a backward names its forward by)."""
+    group_key = transport.group_key
     state = _local.__dict__  # (this thread's: its call numbers, its open blocks)
     numbers = state["numbers"] if "numbers" in state else state.setdefault("numbers", {})
     number = numbers[group_key] = numbers[group_key] + 1 if group_key in numbers else 0
@@ -140,8 +121,11 @@ def tag(group_key: Hashable, explicit: Any = None) -> tuple[str, int]:
     parts = []
     if blocks:
         inner = blocks[-1]
-        n = inner.calls.get(group_key, 0)
-        inner.calls[group_key] = n + 1
+        counted = inner.groups[group_key] if group_key in inner.groups else None
+        if counted is None:
+            counted = inner.groups[group_key] = [transport, 0]
+        n = counted[1]
+        counted[1] = n + 1
         where = "" if explicit is not None else f" at {place(inner.frame)}"
         parts.append(f"{inner.prefix}, call {n}{where}")
     if explicit is not None:
@@ -171,7 +155,7 @@ def place(stop: FrameType | None) -> str:
     """Where the program made the call now being entered: the frames from
     the first outside xcoll's own modules up to ``stop`` (or :data:`DEPTH`
     frames), innermost first."""
-    f = _outside(sys._getframe(1))
+    f = outside(sys._getframe(1))
     frames: list[FrameType] = []
     key: list[int] = []
     while f is not None and len(frames) < DEPTH:
@@ -190,7 +174,7 @@ def place(stop: FrameType | None) -> str:
     return text
 
 
-def _outside(f: FrameType | None) -> FrameType | None:
+def outside(f: FrameType | None) -> FrameType | None:
     """``f``, or the first frame above it outside xcoll's own modules (known
     by their globals' ``__name__``: a block's ``with`` line is its opener's
     caller's, whatever xcoll code, or a wrapper counted as xcoll's, runs
