@@ -342,7 +342,7 @@ def test_replicas_whose_sync_or_to_cpu_differ_raise_naming_them(name, which):
 
 def _kinds(w: int, r: int) -> dict:
     """One small call of each kind, on rank ``r`` of ``w``."""
-    x = torch.arange(2.0 * w) + r
+    x = (torch.arange(2.0 * w) + r).to(device())
     return {
         "gather": lambda: xcoll.gather(x),
         "reduce": lambda: xcoll.reduce(x),
@@ -370,11 +370,11 @@ def _another_kind(pair):
         text = "returned"
     except xcoll.CollectiveMismatchError as e:
         text = str(e)
-    return text, xcoll.reduce(torch.ones(1)).item()
+    return text, xcoll.reduce(torch.ones(1).to(device())).item()
 
 
 @pytest.mark.parametrize("pair", [(a, b) for a in KINDS for b in KINDS if a != b], ids="-".join)
-@pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4", "xla-cpu-2"])
 def test_small_calls_of_different_kinds_raise_on_every_replica(world, pair):
     # every small call is one all-gather of the same size on gloo (and on
     # XLA), whatever its kind: the replicas meet, and each names both calls

@@ -259,11 +259,12 @@ def _sync(
     transport.sync()
     mine, spec = optree.tree_flatten(cast(Any, rng_state(generators)))
     guard, agree = signature, True
-    if not transport.lazy and signature is not None:
+    if signature is not None:
         # The states (over 4 KiB) would travel in an eager engine's broadcast,
-        # which a replica making another call meets with another collective;
-        # a small guarded call first meets any other call, whatever its kind
-        # (the guard reads the difference), and the states follow unguarded.
+        # which a replica making another call meets with another collective
+        # (on XLA, in a program of their own); a small guarded call first
+        # meets any other small call, whatever its kind (the guard reads the
+        # difference), and the states follow unguarded.
         # (A one-sided verdict, a receiver's of a broadcast of CUDA leaves, is
         # raised after the states, which src sends whatever it learns.)
         count = transport.upload(_pack.leaf_bytes(len(mine)))

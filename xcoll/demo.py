@@ -25,10 +25,11 @@ def compiled_graphs(samples: int, replicas: int, batch: int) -> list[str]:
     the first two batches' forward passes and the first's gather), and syncs
     of one shape share a program; the sync after the loop runs the last
     batch's gather alone; the final reduce is a small call, whose collective
-    is one program that every small call shares."""
+    is one program that every small call shares, and so does the first
+    call's consistency check (a small exchange)."""
     per_replica = -(-samples // replicas)  # DistributedSampler pads to a multiple
     batches, short = -(-per_replica // batch), per_replica % batch != 0
-    graphs = ["the first call's consistency check", "the small calls' all-gather"]
+    graphs = ["the small calls' all-gather (the first call's consistency check's too)"]
     if batches == 1:
         return graphs + ["the only batch and its gather"]
     graphs.append("the first two batches")

@@ -39,6 +39,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from .._base import tree as _tree
+from .._encode import pack as _pack
 from . import _xlac
 from ._launch import launch_hint
 from .base import Transport
@@ -300,6 +301,16 @@ class XlaTransport(Transport):
         return hosts
 
     def exchange(self, buf: torch.Tensor) -> torch.Tensor:
+        size = buf.numel() * buf.element_size()
+        if size < _pack.SMALL:
+            # (sent as every small call's buffer is, Hosted's: one program for
+            # them all, which replicas whose calls differ meet, and each reads
+            # what differs; padded on the host, as a pad traced with the
+            # gather would be a program of its own)
+            host = torch.zeros(_pack.SMALL, dtype=torch.uint8)
+            host[:size] = self.to_host([buf])[0].view(torch.uint8)
+            rows = self.exchange(self.upload(host.view(torch.int32)))
+            return rows.view(torch.uint8)[:, :size].contiguous().view(buf.dtype)
         out = self.all_gather(buf)
         _xlac.reset_token(self.device)
         step(self.device, [out])  # the graph of ``out`` alone, not everything pending
