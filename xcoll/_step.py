@@ -9,8 +9,8 @@ keys), their tags agree, and nothing at that call can tell them apart. The
 block's end can: on each process group the block used, the replicas exchange
 its number of calls there, in a small guarded call of its own ("xcoll.step",
 whose guard carries the count: an exchange of a small call's size, so that
-it meets any other small call, whatever its kind). Not yet on XLA, where
-that exchange is a program of its own, which meets no other small call. A replica one call behind meets another's
+it meets any other small call, whatever its kind). Not yet on XLA, where it
+would cost an execution more per step. A replica one call behind meets another's
 last call with its end instead, and both raise, naming both calls; replicas
 whose counts differ raise naming both counts. A block inside which an xcoll
 call raised :class:`CollectiveMismatchError`, even one its own code caught,
@@ -95,8 +95,9 @@ class step:
         if _check.mode() == "never":
             return
         for transport, count in block.groups.values():
-            # (not yet on XLA, whose exchange is a program of its own, which
-            # meets no other small call, and an execution more per step)
+            # (not yet on XLA: there it would be an execution more per step,
+            # whose cost wants a decision first; its exchange meets other
+            # small calls since every small exchange shares their program)
             if transport.world > 1 and not transport.lazy:
                 _ended(transport, block.prefix, count)
 
