@@ -658,3 +658,43 @@ def test_the_docs_snippet_gives_each_replica_its_share(world):
     for name, g in expected.items():
         total = sum(r[name] for r in got)
         assert torch.allclose(total, w * g, atol=1e-5), (name, total, w * g)
+
+
+# ---- a call without grad=True on inputs that require grad -------------------------
+
+
+def _told(_=None) -> list[str]:
+    """The warnings of this replica's calls: a gather of a leaf that requires
+    grad without grad=True (told), the same again (told once), and the calls
+    that are not told: under no_grad, of a detached leaf, with grad=True."""
+    import warnings
+
+    from xcoll._core import grad as _grad_module
+
+    _grad_module._once.__dict__.pop("warned", None)  # (as a fresh replica)
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        xcoll.gather({"emb": x})
+        xcoll.reduce({"emb": x})
+    told = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    _grad_module._once.__dict__.pop("warned", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            xcoll.gather({"emb": x})
+        xcoll.gather({"emb": x.detach()})
+        xcoll.gather({"emb": x}, grad=True)
+    return told + [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize("world", ["local-1", "gloo-2", "gloo-4"])
+def test_a_call_without_grad_on_inputs_that_require_grad_is_told_once_per_replica(world):
+    pool = shared_pool(world)
+    for r, told in enumerate(pool.run(_told, [None] * pool.world_size)):
+        assert len(told) == 1, (r, told)
+        assert told[0].startswith(
+            f"xcoll.gather on rank {r}: tree['emb'] requires grad and autograd is on, but the "
+            "call is made without grad=True"
+        ), told
+        assert "Pass grad=True" in told[0] and ".detach()" in told[0], told

@@ -39,6 +39,8 @@ higher derivatives flow too.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +143,32 @@ def _identity(forward: _header.Signature | None) -> _steps.Identity:
     return _steps.Identity(f"backward of {forward.tag or f'call {forward.number}'}")
 
 
+# Whether this thread (a replica: on XLA a thread, else a process) has been
+# told that a call without grad=True drops its inputs' gradients: once each.
+_once = threading.local()
+
+
+def _warn_without_grad(op: _ops.Op, p: _call.Prepared) -> None:
+    """Warns, once per replica, where a leaf requires grad, autograd is on
+    and the call is made without ``grad=True``: its outputs carry no gradient
+    back, which trains silently wrong where one was meant."""
+    assert p.flat is not None
+    for i in p.flat.tensors:
+        if p.flat.leaves[i].requires_grad:
+            _once.warned = True
+            path, rank = p.flat.path(i), p.transport.rank_name(p.transport.rank())
+            warnings.warn(
+                f"{op.name} on {rank}: {path} requires grad and autograd is on, but the call "
+                "is made without grad=True: its output carries no gradient back to "
+                f"{path} on any replica. Pass grad=True to differentiate through the call; "
+                "to silence this warning, pass a detached tensor (.detach()) or call under "
+                "torch.no_grad() (told once per replica)",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+
+
 def call(op: _ops.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: Any) -> Any:
     """A public call of ``op`` on ``tree`` (:func:`xcoll._core.call.prepare`,
     then :func:`~xcoll._core.call.called`): with ``op.grad``, its outputs
@@ -148,6 +176,8 @@ def call(op: _ops.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: A
     its backend resolved once either way."""
     p = _call.prepare(op, tree, group, sync, to_cpu)
     if not op.grad or p.error is not None:  # (an error is raised by the call, on every replica)
+        if p.error is None and "warned" not in _once.__dict__ and torch.is_grad_enabled():
+            _warn_without_grad(op, p)
         return _call.called(op, p, sync=sync, to_cpu=to_cpu, tag=tag)[0]
     assert p.flat is not None
     treespec, tensors = p.flat.treespec, map(p.flat.leaves.__getitem__, p.flat.tensors)
