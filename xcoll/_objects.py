@@ -181,7 +181,7 @@ def barrier(tag: str = "", *, group: Any = None) -> None:
         # as it does where its own call meets a barrier)
         guard = "" if signature is None else signature.fingerprint().hex()
         sent = _exchange.sha256(guard) + _exchange.sha256(tag)
-        every = transport.exchange(transport.upload(_exchange.bytes_tensor(sent, 64)))
+        every = transport.exchange(_exchange.bytes_tensor(sent, 64))
         mine = every[transport.rank()]
         if not bool((every[:, :32] == mine[:32]).all()):
             _verdict.fire(transport, signature)

@@ -24,6 +24,7 @@ import sys
 from types import TracebackType
 
 from ._backends.base import Transport
+from ._encode import pack as _pack
 from ._guard import check as _check
 from ._guard import exchange as _exchange
 from ._guard import steps as _steps
@@ -111,6 +112,7 @@ def _ended(t: Transport, prefix: str, count: int) -> None:
         if signature is None:  # (this replica's mode is "never": the others' verdict names it)
             return
         sent = _exchange.sha256(signature.fingerprint().hex())
-        every = t.exchange(t.upload(_exchange.bytes_tensor(sent, 32)))
+        # (built in the size class, which the exchange would pad it to)
+        every = t.exchange(_exchange.bytes_tensor(sent, _pack.SMALL))
         if not bool((every == every[t.rank()]).all()):
             _verdict.fire(t, signature)

@@ -313,23 +313,30 @@ class Transport(ABC):
         self.sync()
         return self.to_host(tensors)
 
-    def exchange(self, buf: torch.Tensor) -> torch.Tensor:
-        """Every replica's 1-d ``buf`` as a ``(W, n)`` CPU tensor, run on its own:
-        on lazy engines nothing else pending joins it (the caller's pending
-        work may differ between replicas, as it does when their calls do).
-        A buffer of fewer than :data:`~xcoll._encode.pack.SMALL` bytes is sent
-        in that many, as every small call is
-        (:class:`~xcoll._backends.hosted.Hosted`): replicas whose exchanges
-        or calls differ still meet, and each reads what differs."""
-        n = buf.numel()
-        if n * buf.element_size() < _pack.SMALL:  # (every element size divides SMALL)
-            small = buf.new_zeros(_pack.SMALL // buf.element_size())
-            small[:n] = buf
-            buf = small
-        out = self.all_gather(buf)
+    def exchange(self, cpu: torch.Tensor) -> torch.Tensor:
+        """Every replica's 1-d CPU ``cpu`` as a ``(W, n)`` CPU tensor, run on
+        its own (:meth:`gathered_alone`). A buffer of fewer than
+        :data:`~xcoll._encode.pack.SMALL` bytes is sent in that many, padded
+        on the host, as the int32 words every small call sends
+        (:class:`~xcoll._backends.hosted.Hosted`): one collective (on XLA one
+        program) for them all, so replicas whose exchanges or calls differ
+        still meet, and each reads what differs."""
+        n = cpu.numel()
+        if n * cpu.element_size() < _pack.SMALL:  # (every element size divides SMALL)
+            small = cpu.new_zeros(_pack.SMALL // cpu.element_size())
+            small[:n] = cpu
+            cpu = small
+        return self.gathered_alone(cpu)[:, :n]
+
+    def gathered_alone(self, cpu: torch.Tensor) -> torch.Tensor:
+        """Every replica's 1-d CPU ``cpu`` as a ``(W, n)`` CPU tensor, its
+        all-gather run on its own: on lazy engines nothing else pending joins
+        it (the caller's pending work may differ between replicas, as it does
+        when their calls do)."""
+        out = self.all_gather(self.upload(cpu))
         self.wait()
         self.sync()
-        return self.to_host([out])[0].view(self.world, -1)[:, :n]
+        return self.to_host([out])[0].view(self.world, -1)
 
 
 class LocalTransport(Transport):

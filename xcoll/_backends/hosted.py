@@ -159,8 +159,8 @@ class Hosted(Transport):
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.clone() for t in tensors]
 
-    def exchange(self, buf: torch.Tensor) -> torch.Tensor:
-        return self.engine.exchange(self.engine.upload(buf))
+    def exchange(self, cpu: torch.Tensor) -> torch.Tensor:
+        return self.engine.exchange(cpu)
 
 
 def _bytes(buf: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,6 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from .._base import tree as _tree
-from .._encode import pack as _pack
 from . import _xlac
 from ._launch import launch_hint
 from .base import Transport
@@ -300,22 +299,16 @@ class XlaTransport(Transport):
                 hosts[k] = _xlac.get_cpu_tensors([bits])[0].view(torch.float16)
         return hosts
 
-    def exchange(self, buf: torch.Tensor) -> torch.Tensor:
-        size = buf.numel() * buf.element_size()
-        if size < _pack.SMALL:
-            # (sent as every small call's buffer is, Hosted's: one program for
-            # them all, which replicas whose calls differ meet, and each reads
-            # what differs; padded on the host, as a pad traced with the
-            # gather would be a program of its own)
-            host = torch.zeros(_pack.SMALL, dtype=torch.uint8)
-            host[:size] = self.to_host([buf])[0].view(torch.uint8)
-            rows = self.exchange(self.upload(host.view(torch.int32)))
-            return rows.view(torch.uint8)[:, :size].contiguous().view(buf.dtype)
-        out = self.all_gather(buf)
+    def gathered_alone(self, cpu: torch.Tensor) -> torch.Tensor:
+        # (sent as int32 words where its size allows: a small exchange, padded
+        # to the size class whatever its dtype, is then the one program that
+        # every small call runs (Hosted's), which replicas whose calls differ meet)
+        words = cpu.view(torch.int32) if cpu.numel() * cpu.element_size() % 4 == 0 else cpu
+        out = self.all_gather(self.upload(words))
         _xlac.reset_token(self.device)
         step(self.device, [out])  # the graph of ``out`` alone, not everything pending
         _xlac.wait_device(self.device)
-        return self.to_host([out])[0].view(self.world, -1)
+        return self.to_host([out])[0].view(self.world, -1).view(cpu.dtype)
 
 
 # Deferred verdicts by device (XlaTransport.defer): a backward's call defers

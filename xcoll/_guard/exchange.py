@@ -29,7 +29,7 @@ def bytes_tensor(data: bytes, size: int) -> torch.Tensor:
 def differing(transport: Transport, digest: bytes) -> list[int]:
     """The ranks whose ``digest`` (32 bytes on every replica) differs from this
     replica's, in rank order: one exchange of 32 bytes."""
-    every = transport.exchange(transport.upload(bytes_tensor(digest, 32)))
+    every = transport.exchange(bytes_tensor(digest, 32))
     mine = every[transport.rank()]
     return [r for r in range(every.shape[0]) if not torch.equal(every[r], mine)]
 
@@ -47,12 +47,12 @@ def gather_bytes(
     replica), then the bytes padded to a shared size bucket. None, after the
     first, where the replicas' tags differ."""
     head = [-1 if data is None else len(data), *tag]
-    rows = transport.exchange(transport.upload(torch.tensor(head, dtype=torch.int64)))
+    rows = transport.exchange(torch.tensor(head, dtype=torch.int64))
     if not bool((rows[:, 1:] == rows[transport.rank(), 1:]).all()):
         return None
     sizes = rows[:, 0].tolist()
     padded = _pack.size_bucket(max(0, *sizes))
     if padded == 0:  # nothing to send (an XLA all-gather of no elements fails)
         return [None if n < 0 else b"" for n in sizes]
-    every = transport.exchange(transport.upload(bytes_tensor(data or b"", padded)))
+    every = transport.exchange(bytes_tensor(data or b"", padded))
     return [None if n < 0 else every[r, :n].numpy().tobytes() for r, n in enumerate(sizes)]
