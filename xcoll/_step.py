@@ -9,8 +9,10 @@ keys), their tags agree, and nothing at that call can tell them apart. The
 block's end can: on each process group the block used, the replicas exchange
 its number of calls there, in a small guarded call of its own ("xcoll.step",
 whose guard carries the count: an exchange of a small call's size, so that
-it meets any other small call, whatever its kind). Not yet on XLA, where it
-would cost an execution more per step. A replica one call behind meets another's
+it meets any other small call, whatever its kind; on XLA, an execution of
+its own, of the program every small call runs). It is the group's next
+call: the block's ``sync=False`` calls complete before it. A replica one
+call behind meets another's
 last call with its end instead, and both raise, naming both calls; replicas
 whose counts differ raise naming both counts. A block inside which an xcoll
 call raised :class:`CollectiveMismatchError`, even one its own code caught,
@@ -39,14 +41,17 @@ class step:
     A call's tag becomes ``step <tags of the open blocks, outermost first>,
     call <n> at <place>``, where ``n`` counts the calls on the call's process
     group since the innermost block opened, and ``place`` is where the
-    program made the call: ``file:line in function`` for each frame from the
-    call up to the block's own line (at most 8), file names without their
-    folders. So a replica whose own code raised before a call (caught inside
+    program made the call: ``line <n> in <function>`` for each frame from
+    the call up to the block's ``with`` line (at most 8), leaving out
+    xcoll's and torch's own frames, and naming no file (so
+    replicas agree whatever their files are called, where one compiles a
+    function that another runs eagerly, or where the block is opened by a
+    context manager of the user's). So a replica whose own code raised before a call (caught inside
     the block) and that goes on to the step's next call is named at that
     call. At the block's end, the replicas compare their numbers of calls in
-    it on each process group it used (one small collective per group; none
-    with ``XCOLL_CHECK=never``, in a world of one, or yet on XLA replicas):
-    where a replica
+    it on each process group it used (one small collective per group, on XLA
+    one execution; none with ``XCOLL_CHECK=never`` or in a world of one;
+    the block's ``sync=False`` calls complete first): where a replica
     skipped a call of a loop (the others' calls from the same line carry the
     same tag), every replica raises :class:`xcoll.CollectiveMismatchError`
     by the block's end, naming both calls or both counts, and a block inside
@@ -96,10 +101,7 @@ class step:
         if _check.mode() == "never":
             return
         for transport, count in block.groups.values():
-            # (not yet on XLA: there it would be an execution more per step,
-            # whose cost wants a decision first; its exchange meets other
-            # small calls since every small exchange shares their program)
-            if transport.world > 1 and not transport.lazy:
+            if transport.world > 1:
                 _ended(transport, block.prefix, count)
 
 

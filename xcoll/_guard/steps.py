@@ -12,9 +12,14 @@ block's own line, that led to it. The tag is part of the call's fingerprint,
 so it costs no collective, and calls whose tags differ raise
 :class:`xcoll.CollectiveMismatchError` on every replica, naming both tags.
 
-A call's place is read from the interpreter's frames (each frame's file name
-without its folder, function and line: replicas started from different paths
-agree), about a microsecond per call. Two calls that are the same collective
+A call's place is read from the interpreter's frames: each frame's function
+and line from the call up to the block's ``with`` line, leaving out
+xcoll's and torch's frames, and naming no file (replicas that
+run one program agree, however their files are named, whether a function
+is compiled on one and not another, or a block is opened by the user's own
+context manager), about a microsecond per call. A difference that places
+cannot see (two calls on one line, a loop) is found at the block's end,
+which compares the replicas' numbers of calls (:mod:`xcoll._step`). Two calls that are the same collective
 on purpose but are made from different lines on different replicas (a branch
 on the rank around the call) must say so with the same ``tag=``, which names
 the call instead of its place.
@@ -29,7 +34,6 @@ the same forward call, whichever thread runs it.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import threading
 from collections.abc import Hashable
@@ -42,17 +46,21 @@ _local = threading.local()  # this thread's open step blocks, outermost first; i
 #: Frames of a call's place at most (the call's own line first): a step
 #: opened far above the call is named by the lines nearest the call.
 DEPTH = 8
+#: Frames that opened a block, at most: the opener's caller (the ``with``
+#: line's frame, or a context manager's generator) and those above it, up to
+#: the ``with`` line of a block opened through two context managers.
+OPENERS = 6
 #: The longest tag text kept as it is; a longer one is cut, its rest hashed.
 LONGEST = 80
-_PRIVATE = "xcoll._"  # xcoll's own modules' names: a call's place is outside them
 
 
 @dataclass
 class _Block:
     #: "step <the open blocks' tags, outermost first>"
     prefix: str
-    #: The frame whose ``with`` opened the block: a call's place ends there.
-    frame: FrameType | None
+    #: The frames that opened the block (:func:`opening`): a call's place
+    #: ends at the first of them it meets.
+    stops: frozenset[FrameType]
     #: per process group (Transport.group_key), in the order of first use:
     #: its transport and the calls entered on it so far in this block
     groups: dict[Hashable, list[Any]] = field(default_factory=dict)
@@ -88,7 +96,7 @@ def opened(label: str, frame: FrameType | None) -> None:
     thread, whose ``with`` line is in ``frame``."""
     blocks = _local.__dict__.setdefault("blocks", [])
     prefix = f"{blocks[-1].prefix}/{label}" if blocks else f"step {label}"
-    blocks.append(_Block(prefix, outside(frame)))
+    blocks.append(_Block(prefix, opening(frame)))
 
 
 def closed() -> _Block:
@@ -126,7 +134,7 @@ def tag(transport: Any, explicit: Any = None) -> tuple[str, int]:
             counted = inner.groups[group_key] = [transport, 0]
         n = counted[1]
         counted[1] = n + 1
-        where = "" if explicit is not None else f" at {place(inner.frame)}"
+        where = "" if explicit is not None else f" at {place(inner)}"
         parts.append(f"{inner.prefix}, call {n}{where}")
     if explicit is not None:
         parts.append(f"tag={check(explicit)}")
@@ -149,19 +157,37 @@ def uncount(group_key: Hashable) -> None:
 # (ids, not code objects: a code object's hash reads its whole body)
 _places: dict[tuple[int, ...], tuple[str, tuple[CodeType, ...]]] = {}
 _SITES = 4096
+#: Modules whose frames are not part of a place: xcoll's own, torch's and
+#: torch_xla's (a compiled function's wrappers, autograd, launchers)
+_PLUMBING = ("xcoll._", "torch.", "torch_xla.")
+_plumbing: dict[str, bool] = {"torch": True, "torch_xla": True}
+#: The name Dynamo gives the rest of a compiled function after a graph
+#: break (``torch_dynamo_resume_in_<function>_at_<line>``)
+_RESUMED = "torch_dynamo_resume_in_"
 
 
-def place(stop: FrameType | None) -> str:
-    """Where the program made the call now being entered: the frames from
-    the first outside xcoll's own modules up to ``stop`` (or :data:`DEPTH`
-    frames), innermost first."""
-    f = outside(sys._getframe(1))
-    frames: list[FrameType] = []
+def place(block: _Block) -> str:
+    """Where the program made the call now being entered: its frames from
+    the call up to the one that opened ``block`` (the first it shares with
+    the block's opening), at most :data:`DEPTH` of them, innermost first,
+    leaving out plumbing (:data:`_PLUMBING`), and each named by its
+    function and line, not its file: replicas that run one program agree,
+    whether a function was compiled by Dynamo on one and not another, a
+    file reached under two names, or a notebook cell named per replica."""
+    f: FrameType | None = sys._getframe(1)
+    stops = block.stops
+    sites: list[tuple[CodeType, int]] = []
     key: list[int] = []
-    while f is not None and len(frames) < DEPTH:
-        frames.append(f)
-        key += (id(f.f_code), f.f_lineno)
-        if f is stop:
+    while f is not None and len(sites) < DEPTH:
+        g = f.f_globals
+        module = g["__name__"] if "__name__" in g else ""
+        if not (_plumbing[module] if module in _plumbing else _is_plumbing(module)):
+            code, line = f.f_code, f.f_lineno
+            if code.co_name[:23] == _RESUMED:
+                f, code = _resumed(f)
+            sites.append((code, line))
+            key += (id(code), line)
+        if f in stops:
             break
         f = f.f_back
     known = _places.get(tuple(key))
@@ -169,21 +195,45 @@ def place(stop: FrameType | None) -> str:
         return known[0]
     if len(_places) >= _SITES:
         _places.clear()
-    text = " <- ".join(_named(f.f_code, f.f_lineno) for f in frames)
-    _places[tuple(key)] = (text, tuple(f.f_code for f in frames))
+    text = " <- ".join(_named(code, line) for code, line in sites)
+    _places[tuple(key)] = (text, tuple(code for code, _ in sites))
     return text
 
 
-def outside(f: FrameType | None) -> FrameType | None:
-    """``f``, or the first frame above it outside xcoll's own modules (known
-    by their globals' ``__name__``: a block's ``with`` line is its opener's
-    caller's, whatever xcoll code, or a wrapper counted as xcoll's, runs
-    between)."""
-    while f is not None and f.f_globals.get("__name__", "").startswith(_PRIVATE):
-        f = f.f_back
-    return f
+def _resumed(f: FrameType) -> tuple[FrameType, CodeType]:
+    """Dynamo's resume function ``f`` (the rest of a compiled function past
+    a graph break, at the source's lines) and the frames of that function
+    above it, as the one frame an eager run has there: returns the last of
+    them and the code that names them (the function's own)."""
+    name = f.f_code.co_name[len(_RESUMED) :].rpartition("_at_")[0]
+    g = f.f_back
+    while g is not None and g.f_code.co_name[:23] == _RESUMED:
+        g = g.f_back
+    if g is None or g.f_code.co_name != name:  # (not as Dynamo makes them: named as it is)
+        return f, f.f_code
+    return g, g.f_code
+
+
+def opening(frame: FrameType | None) -> frozenset[FrameType]:
+    """The frames that opened a block: ``frame`` (the opener's caller) and
+    the :data:`OPENERS` - 1 above it. A call's place ends at the first of
+    them it meets: the frame of the ``with`` line, also where the block is
+    opened by the user's own context manager (whose frames, and
+    contextlib's, are not above the block's calls)."""
+    chain: tuple[FrameType, ...] = ()
+    for _ in range(OPENERS):  # (no call per frame: they are host work per step)
+        if frame is None:
+            break
+        chain += (frame,)
+        frame = frame.f_back
+    return frozenset(chain)
+
+
+def _is_plumbing(module: str) -> bool:
+    _plumbing[module] = yes = module.startswith(_PLUMBING)
+    return yes
 
 
 def _named(code: CodeType, line: int) -> str:
     name = getattr(code, "co_qualname", code.co_name)  # (3.11+)
-    return f"{os.path.basename(code.co_filename)}:{line} in {name}"
+    return f"line {line} in {name}"

@@ -14,9 +14,11 @@ batch is short. Still, every sample is counted exactly once:
 * metrics: loss and accuracy accumulate on the device, with the sampler's padding
   masked out, with no sync inside the loop beyond the per-batch gather; one
   ``xcoll.reduce`` at the end gives the global values;
-* each batch's call is tagged with ``xcoll.step``: a replica whose own code
-  raised in a batch and went on would otherwise pair its later gathers with
-  the others' earlier batches.
+* each batch's gather is tagged with its batch (``tag=start``): a replica
+  whose own code raised in a batch and went on would otherwise pair its later
+  gathers with the others' earlier batches. (A tag, not an ``xcoll.step``
+  block: a block's end is its group's next call, which would complete the
+  gather in flight before the next batch's forward pass.)
 
 ``evaluate`` runs on each replica: with ``xcoll.testing.XlaPool(4).run(evaluate,
 ...)`` on XLA:CPU (what ``python -m xcoll.demo`` does), or in every process of
@@ -117,8 +119,8 @@ def evaluate(args: tuple[int, int, str]) -> dict[str, Any]:
             count = count + keep.sum()
             if in_flight is not None:
                 _completed(in_flight, preds, index)
-            with xcoll.step(start):  # names the batch's call (docs/reliability.md)
-                in_flight = xcoll.gather({"pred": pred, "index": idx.to(dev)}, sync=False)
+            # (tagged with its batch: docs/reliability.md)
+            in_flight = xcoll.gather({"pred": pred, "index": idx.to(dev)}, sync=False, tag=start)
     if in_flight is not None:
         _completed(in_flight, preds, index)
 
