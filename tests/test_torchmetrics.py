@@ -3,6 +3,7 @@ equal the same metrics computed in one process over the whole dataset."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -42,21 +43,32 @@ def update(m: MetricCollection, logits, labels, index):
 
 _counts = threading.local()  # replica threads share the module: count per thread
 _install = threading.Lock()
+_installed = [0, None]  # (replica threads counting now; the real xcoll.gather)
 
 
-def _count_gathers():
-    """Wraps xcoll.gather, once per process, to count the calls of each thread."""
+@contextlib.contextmanager
+def _counting_gathers():
+    """xcoll.gather wrapped to count each thread's calls while any replica
+    thread of the process is inside, then restored (a wrapper left in a
+    shared pool would be a frame in later tests' step places)."""
     with _install:
-        if not getattr(xcoll.gather, "counting", False):
-            real = xcoll.gather
+        if _installed[0] == 0:
+            real = _installed[1] = xcoll.gather
 
             @functools.wraps(real)
             def counting(*args, **kwargs):
                 _counts.calls = getattr(_counts, "calls", 0) + 1
                 return real(*args, **kwargs)
 
-            counting.counting = True
             xcoll.gather = counting
+        _installed[0] += 1
+    try:
+        yield
+    finally:
+        with _install:
+            _installed[0] -= 1
+            if _installed[0] == 0:
+                xcoll.gather = _installed[1]
 
 
 def _replica(_):
@@ -69,10 +81,10 @@ def _replica(_):
         idx = mine[step * BATCH : (step + 1) * BATCH]
         if len(idx):
             update(m, logits[idx].to(dev), labels[idx].to(dev), idx.to(dev))
-    _count_gathers()
-    _counts.calls = 0
-    values = compute(m)
-    alone = compute(m["loss"])  # a single Metric works too
+    with _counting_gathers():
+        _counts.calls = 0
+        values = compute(m)
+        alone = compute(m["loss"])  # a single Metric works too
     local_after = torch.cat(m["seen"].value)  # CatMetric's list state, back to the local one
     return {
         "values": {k: v.cpu() for k, v in values.items()},
@@ -257,7 +269,6 @@ def _through_the_hook(own: bool):
 
     warnings.simplefilter("ignore")
     dev, rank = device(), xcoll.rank()
-    _count_gathers()
     out = {}
     for how in ("xcoll", "own") if own else ("xcoll",):
         c, stats = _hooked_metrics()
@@ -265,14 +276,15 @@ def _through_the_hook(own: bool):
         if how == "xcoll":
             c, stats = sync_with_xcoll(c), sync_with_xcoll(stats)
         _hooked_updates(c, stats, rank, dev)
-        _counts.calls = 0
-        values = c.compute()
-        calls = [_counts.calls]
-        values["stats"] = stats.compute()
-        values["auroc alone"] = c["auroc"].compute()  # (a member's own compute: cached)
-        c["mean"].update(torch.ones(1, device=dev))  # (local states kept: accumulation goes on)
-        values["mean after"] = c["mean"].compute()
-        calls.append(_counts.calls - calls[0])
+        with _counting_gathers():
+            _counts.calls = 0
+            values = c.compute()
+            calls = [_counts.calls]
+            values["stats"] = stats.compute()
+            values["auroc alone"] = c["auroc"].compute()  # (a member's own compute: cached)
+            c["mean"].update(torch.ones(1, device=dev))  # (local states kept: accumulation goes on)
+            values["mean after"] = c["mean"].compute()
+            calls.append(_counts.calls - calls[0])
         out[how] = ({k: v.cpu() for k, v in values.items()}, calls)
     return out
 
