@@ -56,10 +56,6 @@ def _compiled_step(backend: str) -> dict[str, Any]:
     dynamo.reset()
     compiled = torch.compile(_step, backend=backend, fullgraph=True)
     exact = backend != "inductor"
-    # (the traced backward is torch's reduce-scatter, which at W > 2 sums in
-    # gloo's order, not in the eager backward's rank order: within rounding.
-    # Open in issue 58: a guarded backward that sums as the eager one does.)
-    exact_gradient = exact and xcoll.world_size() == 2
     for batch in (5, 6):
         w, x, labels = _inputs(batch)
         got = {}
@@ -73,7 +69,7 @@ def _compiled_step(backend: str) -> dict[str, Any]:
             "loss": _equal(le, lc, exact),
             "metrics": sorted(me) == sorted(mc) and all(_equal(me[k], mc[k], exact) for k in me),
             "broadcast": all(torch.equal(se[k], sc[k]) for k in se),
-            "gradient": _equal(ge, gc, exact_gradient),
+            "gradient": _equal(ge, gc, exact),
         }
     return out
 
@@ -85,6 +81,15 @@ def test_a_training_step_compiles_whole_with_the_eager_values_and_gradients(worl
     same = {"loss": True, "metrics": True, "broadcast": True, "gradient": True}
     for out in pool.run(_compiled_step, [backend] * pool.world_size, timeout=600):
         assert out == {"breaks": 0, 5: same, 6: same}, out
+
+
+def _one_backward_each(x: torch.Tensor) -> torch.Tensor:
+    """Two differentiable gathers of one signature; rank 0's loss through
+    the first, the others' through the second: each backward would meet the
+    other call's (the forwards agree)."""
+    a = xcoll.gather(x, grad=True)
+    b = xcoll.gather(x * 2, grad=True)
+    return (a if xcoll.rank() == 0 else b).sum()
 
 
 def _differing(case: str):
@@ -102,10 +107,15 @@ def _differing(case: str):
         "large reduce shapes": lambda x: xcoll.reduce(x.repeat(400, 1) if rank == 0 else x.repeat(400, 1).reshape(1200, 2)),
         "broadcast sources": lambda x: xcoll.broadcast(x, src=0 if rank == 0 else 1),
         "differentiable gather dims": lambda x: xcoll.gather(x, dim=0 if rank == 0 else 1, grad=True),
+        "backwards of two calls": _one_backward_each,
     }
+    x.requires_grad_(case == "backwards of two calls")
     dynamo.reset()
     try:
         got: Any = torch.compile(calls[case], backend="aot_eager", fullgraph=True)(x)
+        if got.requires_grad:  # (the backward graph runs here)
+            got.backward()
+            got = x.grad
     except RuntimeError as e:
         got = str(e)
     return got, xcoll.reduce(torch.ones(1)).item()
@@ -114,12 +124,12 @@ def _differing(case: str):
 DIFFERING = ["gather keys", "gather shapes", "reduce ops", "reduce shapes", "large reduce shapes", "broadcast sources"]
 
 
-@pytest.mark.parametrize("case", [*DIFFERING, "differentiable gather dims"])
+@pytest.mark.parametrize("case", [*DIFFERING, "differentiable gather dims", "backwards of two calls"])
 @pytest.mark.parametrize("world", ["gloo-2", "gloo-4"])
 def test_replicas_whose_compiled_calls_differ_raise_on_every_replica(world, case):
     pool = shared_pool(world)
     w = pool.world_size
-    name = case.split()[-2] if case != "differentiable gather dims" else "gather"
+    name = {"differentiable gather dims": "gather", "backwards of two calls": "gather backward"}.get(case) or case.split()[-2]
     for rank, (got, after) in enumerate(pool.run(_differing, [case] * w, timeout=300)):
         assert isinstance(got, str), (rank, got)  # never a result
         assert f"xcoll.{name}: replicas made different calls (checked in a graph compiled by torch.compile" in got, (

@@ -89,8 +89,8 @@ def gather(tree: Any, dim: int, stack: bool, group: Any, grad: bool) -> Any:
     world, group = world_of(group)
     dims = [_dim(t, dim, stack) for t in leaves]
     head = _head("xcoll.gather", f"dim={dim} stack={stack} grad={grad}", spec, leaves, world)
-    if grad:
-        blocks = _gathered_by_dtype(leaves, head, world, group)
+    if grad and any(t.requires_grad for t in leaves):
+        blocks = list(_Gathered.apply(head, world, group, rank(group) if world > 1 else 0, *leaves))
     else:  # (detached, as the eager call's outputs are)
         blocks = _moved(_detached(leaves), head, world, lambda buf: _all_gather(buf, world, group), "xcoll.gather")
     out = [_placed(b, d, stack, world) for b, d in zip(blocks, dims, strict=True)]
@@ -161,13 +161,7 @@ def _folded(sent: list[torch.Tensor], head: torch.Tensor, how: str, world: int, 
     collective of :data:`~xcoll._encode.pack.SMALL` bytes, as eagerly),
     the headers checked, each buffer's rows folded in rank order."""
     rows = _moved(sent, head, world, lambda buf: _all_gather(buf, world, group), "xcoll.reduce")
-    out = []
-    for r in rows:
-        acc = r[0]
-        for k in range(1, world):
-            acc = _FOLD[how](acc, r[k])
-        out.append(acc.clone() if world == 1 else acc)
-    return out
+    return [_fold_rows(r, how, world) for r in rows]
 
 
 def _all_reduced(
@@ -272,25 +266,70 @@ def _moved(leaves: list[torch.Tensor], head: torch.Tensor, rows: int, move: Any,
     return out
 
 
-def _gathered_by_dtype(leaves: list[torch.Tensor], head: torch.Tensor, world: int, group: Any) -> list[torch.Tensor]:
-    """A differentiable gather: one all-gather per dtype (its backward a
-    reduce-scatter sum), the header at the front of the first."""
-    out: list[torch.Tensor | None] = [None] * len(leaves)
-    for k, dtype in enumerate(dict.fromkeys(t.dtype for t in leaves)):
-        mine = [i for i, t in enumerate(leaves) if t.dtype == dtype]
-        front = [head.view(dtype)] if k == 0 else []
-        buf = _small(torch.cat(front + [leaves[i].reshape(-1) for i in mine]))
-        got = (buf if world == 1 else fc.all_gather_tensor_autograd(buf, 0, group)).view(world, -1)
-        skip = 0
-        if k == 0:
-            skip = front[0].numel()
-            agree = (got[:, :skip].detach().contiguous().view(torch.uint8) == head).all()
-            torch._assert_async(agree, _differ("xcoll.gather"))
-        sizes = [leaves[i].numel() for i in mine]
-        used = skip + sum(sizes)
-        for i, piece in zip(mine, got[:, skip:used].split(sizes, dim=1), strict=True):
-            out[i] = piece.reshape(world, *leaves[i].shape)
-    return out  # type: ignore[return-value]
+class _Gathered(torch.autograd.Function):
+    """A differentiable traced gather: forward, the tree's bytes moved as
+    a gather without grad moves them; backward, the output gradients'
+    reduce-scatter, summed as the eager backward sums them: a small one (4
+    KiB) all-gathered behind the forward's header marked as a backward's
+    (checked), each replica's rows folded in rank order; a larger one
+    torch's reduce-scatter per dtype (gloo's order, unguarded)."""
+
+    @staticmethod
+    def forward(ctx: Any, head: torch.Tensor, world: int, group: Any, rank: int, *leaves: torch.Tensor) -> Any:
+        blocks = _moved(list(leaves), head, world, lambda buf: _all_gather(buf, world, group), "xcoll.gather")
+        ctx.save_for_backward(_backward_head(head, blocks))
+        ctx.world, ctx.group, ctx.rank = world, group, rank
+        ctx.leaves = [(t.shape, t.dtype) for t in leaves]
+        return tuple(blocks)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        (back,) = ctx.saved_tensors
+        world, group, rank = ctx.world, ctx.group, ctx.rank
+        floating = [i for i, (_, d) in enumerate(ctx.leaves) if d.is_floating_point]
+        dtypes = list(dict.fromkeys(ctx.leaves[i][1] for i in floating))
+        buckets = [[i for i in floating if ctx.leaves[i][1] == d] for d in dtypes]
+        # (each replica's gradients of every replica's rows, encoded as a sum's)
+        sent = [
+            _wire.encode_reduce(torch.cat([grads[i].reshape(world, -1) for i in b], 1).reshape(-1), "sum", TORCH.bitcast)
+            for b in buckets
+        ]
+        if _HEAD + sum(x.numel() * x.element_size() + 8 for x in sent) <= _pack.SMALL:
+            rows = _moved(sent, back, world, lambda buf: _all_gather(buf, world, group), "xcoll.gather backward")
+            summed = [_fold_rows(r.view(world, world, -1)[:, rank], "sum", world) for r in rows]
+        else:
+            summed = [fc.wait_tensor(fc.reduce_scatter_tensor(x, "sum", 0, group)) for x in sent]
+        out: list[torch.Tensor | None] = [None] * len(ctx.leaves)
+        for b, d, got in zip(buckets, dtypes, summed, strict=True):
+            got = _wire.decode_reduce(got, d, "sum", TORCH.bitcast)
+            sizes = [ctx.leaves[i][0].numel() for i in b]
+            for i, piece in zip(b, got.split(sizes), strict=True):
+                out[i] = piece.reshape(ctx.leaves[i][0])
+        return (None, None, None, None, *out)
+
+
+def _backward_head(head: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+    """A differentiable gather's backward's header: its forward's 12 bytes
+    flipped (it pairs with no forward call), then a checksum of what the
+    forward gathered, which every replica holds alike: the backwards of two
+    calls of one signature that gathered different values (each replica's
+    loss through another one) differ, and raise."""
+    words = torch.cat([b.detach().contiguous().reshape(-1).view(torch.uint8) for b in blocks]).to(torch.int64)
+    weights = torch.arange(words.numel(), dtype=torch.int64) % _P + 1
+    checksum = (words * weights).sum() % _M
+    # (its 4 bytes by shifts: inductor cannot view a 1-element result as bytes)
+    four = ((checksum >> torch.arange(0, 32, 8, dtype=torch.int64)) & 0xFF).to(torch.uint8)
+    return torch.cat([head[:12] ^ 0xFF, four])
+
+
+
+def _fold_rows(rows: torch.Tensor, how: str, world: int) -> torch.Tensor:
+    """``how`` over ``rows`` (``(W, n)``) in rank order, as
+    :mod:`xcoll._backends.hosted` folds a small call's rows."""
+    acc = rows[0]
+    for k in range(1, world):
+        acc = _FOLD[how](acc, rows[k])
+    return acc.clone() if world == 1 else acc
 
 
 def _reduce_header(head: torch.Tensor, dtype: torch.dtype, how: str, world: int) -> tuple[torch.Tensor, torch.Tensor]:
