@@ -277,3 +277,35 @@ def test_the_paths_a_side_lacks_are_listed_up_to_three_then_counted():
     assert _check._lacks(mine, list(mine), "rank 0", "rank 1") == ""
     other_call = ["call xcoll.reduce", *theirs[1:]]
     assert _check._lacks(mine, other_call, "rank 0", "rank 1") == ""
+
+
+def _shards(n: int):
+    """A gather of shards whose length differs on the last rank (an epoch's
+    last batch), without uneven=True: the error, then the same with it."""
+    rank, w = xcoll.rank(), xcoll.world_size()
+    x = torch.ones(n + (rank == w - 1), 3).to(device())
+    try:
+        xcoll.gather({"x": x})
+        text = "returned"
+    except xcoll.CollectiveMismatchError as e:
+        text = str(e)
+    return text, tuple(xcoll.gather({"x": x}, uneven=True)["x"].shape)
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_a_gather_of_shards_of_different_sizes_names_uneven_as_the_fix(world):
+    pool = shared_pool(world)
+    w = pool.world_size
+    for text, shape in pool.run(_shards, [2] * w):
+        assert text.startswith("xcoll.gather: replicas made different calls; the first difference:"), text
+        assert text.endswith("(a leaf whose sizes differ between replicas: gather it with uneven=True)"), text
+        assert shape == (2 * w + 1, 3)
+
+
+def test_the_fix_is_named_for_a_gathers_sizes_only():
+    mine, theirs = "tree['x']: float32 tensor of shape (2, 3)", "tree['x']: float32 tensor of shape (3, 3)"
+    assert _check._fix("call xcoll.gather", mine, theirs).endswith("with uneven=True)")
+    assert _check._fix("call xcoll.reduce", mine, theirs) == ""  # (a reduce's sizes must agree)
+    assert _check._fix("call xcoll.gather", mine, "tree['x']: float64 tensor of shape (3, 3)") == ""
+    assert _check._fix("call xcoll.gather", mine, "tree['x']: float32 tensor of shape (3)") == ""
+    assert _check._fix("call xcoll.gather", mine, "tree['y']: float32 tensor of shape (3, 3)") == ""
