@@ -16,7 +16,6 @@ import torch
 from . import _backends
 from ._core import grad as _grad
 from ._core import ops as _ops
-from ._core import traced as _traced
 from ._core import uneven as _uneven
 from ._guard import order as _order
 from ._guard import verdict as _verdict
@@ -198,8 +197,6 @@ def gather(
     {'x': tensor([1, 2]), 'n': [3]}
     """
     if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        if _traced.traces(tree, group, to_cpu=to_cpu, uneven=uneven, max_size=max_size, tag=tag):
-            return _traced.gather(tree, dim, stack, group, grad)
         return _outside(gather)(
             tree, dim=dim, stack=stack, group=group, sync=sync, to_cpu=to_cpu,
             uneven=uneven, max_size=max_size, grad=grad, tag=tag,
@@ -290,9 +287,6 @@ def reduce(
     {'loss': tensor(0.5000), 'n': 4}
     """
     if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        if not grad and _traced.reduces(tree, group, op, to_cpu=to_cpu, tag=tag):
-            traced: T = _traced.reduce(tree, op, group)
-            return traced
         outside: T = _outside(reduce)(tree, op, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag)
         return outside
     if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
@@ -496,9 +490,6 @@ def broadcast(
     {'seed': 7, 'w': tensor([1., 1.])}
     """
     if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        if not grad and _traced.traces(tree, group, to_cpu=to_cpu, tag=tag):
-            traced: T = _traced.broadcast(tree, src, group)
-            return traced
         outside: T = _outside(broadcast)(
             tree, src=src, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
         )
@@ -534,8 +525,6 @@ def rank(group: Any = None) -> int:
     >>> xcoll.rank()
     0
     """
-    if torch.compiler.is_dynamo_compiling():  # (a constant of the graph)
-        return _traced.rank(group) if _traced.distributed(group) else _outside(rank)(group)
     return _backends.current(group).rank()
 
 
@@ -558,8 +547,6 @@ def world_size(group: Any = None) -> int:
     >>> xcoll.world_size()
     1
     """
-    if torch.compiler.is_dynamo_compiling():  # (a constant of the graph)
-        return _traced.world_of(group)[0] if _traced.distributed(group) else _outside(world_size)(group)
     return _backends.current(group).world
 
 
