@@ -31,7 +31,6 @@ and ``DIR/results.md`` (``python -m bench`` runs it too).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -186,12 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     report = run(a.replicas, a.rounds)
     print(table(report))
     if a.out is not None:
-        from bench import report as markdown
+        from bench import report as results
 
-        results = json.loads((a.out / "results.json").read_text())
-        results["metrics_sync"] = report
-        (a.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-        (a.out / "results.md").write_text(markdown.markdown(results))
+        results.put(a.out, "metrics_sync", report)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -200,10 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.out is not None:
         from bench import report
 
-        results = json.loads((a.out / "results.json").read_text())
-        results["overlap"] = overlap
-        (a.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-        (a.out / "results.md").write_text(report.markdown(results))
+        report.put(a.out, "overlap", overlap)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # Targets, checked at 256 leaves: (backend prefix, op, peer method prefix, what).
@@ -357,3 +358,12 @@ outputs, so they pay this too.
 
 if __name__ == "__main__":
     main()
+
+
+def put(out: Path, key: str, report: dict) -> None:
+    """``report`` into ``out/results.json`` under ``key``, and
+    ``out/results.md`` made again from the whole (a benchmark run alone)."""
+    results = json.loads((out / "results.json").read_text())
+    results[key] = report
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results))
