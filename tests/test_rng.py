@@ -26,20 +26,32 @@ def _sync_then_draw(src):
         torch.manual_seed(rank)
         random.seed(rank)
         np.random.seed(rank)
-    xcoll.sync_rng_state(src=src, generators=[g])
+    synced = xcoll.sync_rng_state(src=src, generators=[g])
     out = {"generator": torch.rand(3, generator=g)}
     if on_xla:
         out["xla seed"] = xm.get_rng_state(dev)  # (drawing advances it)
         out["xla"] = torch.rand(3, device=dev).cpu()
-    else:
-        out.update(torch=torch.rand(3), python=random.random(), numpy=float(np.random.rand()))
-    return out
+        xcoll.barrier()  # (every replica set the shared ones: now each draws from one stream)
+        shared = torch.rand(3)
+        xcoll.barrier()
+        return out, synced, shared
+    out.update(torch=torch.rand(3), python=random.random(), numpy=float(np.random.rand()))
+    return out, synced, None
 
 
 def test_every_generator_draws_what_src_draws(pool):
     w = pool.world_size
     src = w - 1
-    results = pool.run(_sync_then_draw, [src] * w)
+    results, synced, shared = zip(*pool.run(_sync_then_draw, [src] * w), strict=True)
+    # what it says it synced: on XLA:CPU replica threads, not the generators
+    # they share (each draw moves them on for every replica)
+    if pool.device_type == "xla" and w > 1:
+        assert synced == (("xla", "generators[0]"),) * w, synced
+        assert not torch.equal(shared[0], shared[1]), shared  # (why they are not named)
+    elif pool.device_type == "xla":  # (one replica: nothing shared)
+        assert synced == (("torch", "python", "numpy", "xla", "generators[0]"),), synced
+    else:
+        assert synced == (("torch", "python", "numpy", "generators[0]"),) * w, synced
     assert torch.equal(
         results[0]["generator"], torch.rand(3, generator=torch.Generator().manual_seed(100 + src))
     )
@@ -70,7 +82,7 @@ def test_states_cross_the_dtypes_an_xla_setting_narrows(setting):
     from xcoll.testing import XlaPool
 
     with XlaPool(2, env={setting: "1"}) as pool:
-        results = pool.run(_sync_then_draw, [1, 1])
+        results = [r for r, _, _ in pool.run(_sync_then_draw, [1, 1])]
         pool.run(_cached_gaussians, [None, None])
         kept = pool.run(_shared_states_kept, [None, None])
     want = torch.rand(3, generator=torch.Generator().manual_seed(101))

@@ -204,14 +204,18 @@ def sync_rng_state(
     generators: Sequence[torch.Generator] = (),
     group: Any = None,
     tag: str | int | None = None,
-) -> None:
+) -> tuple[str, ...]:
     """Gives every replica replica ``src``'s generator states, in one xcoll call.
 
     Afterwards ``torch.rand``, the XLA RNG, ``random.random()``, NumPy and every
-    generator in ``generators`` draw the same values on every replica. The
-    caller's pending work runs first, on its own; then one
-    :func:`xcoll.broadcast` carries :func:`rng_state` (one graph execution on
-    XLA) and every replica applies it.
+    generator in ``generators`` draw the same values on every replica, except
+    where the replicas share a generator: XLA:CPU replicas are threads of one
+    process, which share torch's CPU generator, Python's ``random`` and
+    NumPy's (set to ``src``'s state, but each replica's draw moves them on
+    for all: pass a ``torch.Generator`` of each replica's own in
+    ``generators`` instead). The caller's pending work runs first, on its
+    own; then one :func:`xcoll.broadcast` carries :func:`rng_state` (one
+    graph execution on XLA) and every replica applies it.
 
     Args:
         src: the rank, in ``group``, whose states every replica gets.
@@ -219,6 +223,12 @@ def sync_rng_state(
             replica passes the same number.
         group: as in :func:`xcoll.gather`.
         tag: as in :func:`xcoll.gather`.
+
+    Returns:
+        The generators that now draw alike on every replica, by name:
+        ``"torch"`` (the CPU generator), ``"python"``, ``"numpy"``,
+        ``"cuda"``, ``"xla"`` (those in use) and ``"generators[i]"`` for each
+        passed in; on XLA:CPU replica threads without the three they share.
 
     Raises:
         TypeError: ``generators`` is not a list or tuple of ``torch.Generator``,
@@ -232,13 +242,21 @@ def sync_rng_state(
 
     >>> import xcoll
     >>> xcoll.sync_rng_state()  # a world of one: its own states
+    ('torch', 'python', 'numpy')
     """
     _check_generators(generators)
     transport = _backends.current(group)
     head = f"src={src} generators={len(generators)}"
     name = "xcoll.sync_rng_state"
     with _entry.entered(transport, name, head, _check.Description(()), tag=tag) as signature:
-        _sync(transport, src, generators, signature)
+        state = _sync(transport, src, generators, signature)
+    shared = _SHARED if transport.replica_threads else ()
+    named = [k for k in state if k != "generators" and k not in shared]
+    return (*named, *(f"generators[{i}]" for i in range(len(generators))))
+
+
+#: The generators that XLA:CPU replica threads share: one per process.
+_SHARED = ("torch", "python", "numpy")
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], state: dict[str, Any]) -> Any:
@@ -251,7 +269,8 @@ def _sync(
     src: int,
     generators: Sequence[torch.Generator],
     signature: _header.Signature | None,
-) -> None:
+) -> dict[str, Any]:
+    """Sets ``src``'s states on this replica; returns them."""
     # The caller's pending work runs first, on its own: replicas that drew
     # different numbers of random values (why they sync) have different pending
     # graphs, which in the broadcast's graph would be different programs.
@@ -275,5 +294,6 @@ def _sync(
     if not agree:
         _verdict.fire(transport, signature, src)
     got = transport.to_host(optree.tree_leaves(synced))
-    state = optree.tree_unflatten(spec, list(map(_pack.from_leaf_bytes, got, mine)))
-    set_rng_state(cast(dict[str, Any], state), generators)
+    state = cast(dict[str, Any], optree.tree_unflatten(spec, list(map(_pack.from_leaf_bytes, got, mine))))
+    set_rng_state(state, generators)
+    return state
