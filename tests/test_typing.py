@@ -87,3 +87,20 @@ def test_a_project_outside_the_checkout_finds_the_development_installs_types(
         + done.stdout
         + done.stderr
     )
+
+
+def test_every_editable_install_the_docs_give_is_the_strict_one():
+    """The demo's, the tests', the mutation pass's and the benchmark's
+    ``pip install -e``: any of them in setuptools' default mode would
+    replace the strict install with an import hook, and the types with Any
+    (the test above)."""
+    import re
+
+    commands = [
+        line
+        for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        for line in doc.read_text().splitlines()
+        if re.search(r"pip install -e\b", line)
+    ]
+    assert len(commands) >= 4, commands  # (the demo, the tests, mutation, bench)
+    assert all("--config-settings editable_mode=strict" in c for c in commands), commands
