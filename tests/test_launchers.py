@@ -393,3 +393,35 @@ def test_the_docs_list_every_environment_variable_xcoll_reads():
     rows = table.strip().splitlines()[2:]
     listed = {name for row in rows for name in row.split("|")[1].split("`")[1::2]}
     assert listed == read
+
+
+README = DOC.parents[1] / "README.md"
+
+
+@needs_xla
+def test_xcoll_launch_runs_the_readmes_example_on_four_cpu_replicas(tmp_path):
+    """``python -m xcoll.launch --cpu 4 example.py``, the README's first
+    example as it stands, in an environment with no XLA setting: the
+    launcher sets them, and every replica prints its line."""
+    script = tmp_path / "example.py"
+    script.write_text(README.read_text().split("```python\n", 1)[1].split("```", 1)[0])
+    result = run(script, {}, "-m", "xcoll.launch", "--cpu", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if " of 4: " in line)
+    assert [line.split(" of 4: ")[0] for line in lines] == ["0", "1", "2", "3"], result.stdout
+    assert all(line.split(" of 4: ")[1].startswith("torch.Size([32, 5]) {'loss': tensor(") for line in lines), lines
+
+
+@needs_xla
+def test_xcoll_launch_names_a_failed_replica_and_exits_with_1(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "import torch, torch_xla, xcoll\n"
+        "if xcoll.rank() == 1:\n"
+        "    raise ValueError('a bad replica')\n"
+        "xcoll.reduce(torch.ones(1).to(torch_xla.device()))\n"
+    )
+    result = run(script, {}, "-m", "xcoll.launch", "--cpu", "2", timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    assert "xcoll.launch: replica 1 failed:" in result.stderr, result.stderr[-3000:]
+    assert "ValueError: a bad replica" in result.stderr, result.stderr[-3000:]
