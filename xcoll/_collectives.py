@@ -50,6 +50,9 @@ _OPS_NAMED = " ".join(f'"{o}"' for o in _ops.OPS)
 T = TypeVar("T")
 M = TypeVar("M", bound=Mapping[Any, torch.Tensor])
 S = TypeVar("S", bound=Sequence[torch.Tensor])
+#: A mapping of Python scalars only (a bool or int is a float to a type checker)
+F = TypeVar("F", bound=Mapping[Any, float])
+K = TypeVar("K")
 
 #: A reduction, by name.
 ReduceOp = Literal["sum", "mean", "max", "min", "prod"]
@@ -71,6 +74,22 @@ class GatherOptions(TypedDict, total=False):
     group: Any
     tag: str | int | None
     grad: bool
+
+
+class ReduceOptions(TypedDict, total=False):
+    """:func:`reduce`'s keyword arguments, for its typed overloads."""
+
+    sync: bool
+    to_cpu: bool
+    group: Any
+    tag: str | int | None
+    grad: bool
+
+
+class BroadcastOptions(ReduceOptions, total=False):
+    """:func:`broadcast`'s keyword arguments, for its typed overloads."""
+
+    src: int
 
 
 @overload
@@ -212,6 +231,19 @@ def gather(
     return _grad.call(op, tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
 
 
+# (the first overload that matches wins: a mapping of tensors, or of Python
+# scalars, keeps its type; a mapping of both, a dict literal of a loss and a
+# count, gives Any values, each then used as what it is)
+@overload
+def reduce(tree: M, op: OpTree = "sum", **options: Unpack[ReduceOptions]) -> M: ...  # type: ignore[overload-overlap]
+@overload
+def reduce(tree: F, op: OpTree = "sum", **options: Unpack[ReduceOptions]) -> F: ...  # type: ignore[overload-overlap]
+@overload
+def reduce(tree: Mapping[K, torch.Tensor | float], op: OpTree = "sum", **options: Unpack[ReduceOptions]) -> dict[K, Any]: ...
+@overload
+def reduce(tree: T, op: OpTree = "sum", **options: Unpack[ReduceOptions]) -> T: ...
+
+
 def reduce(
     tree: T,
     op: OpTree = "sum",
@@ -258,7 +290,9 @@ def reduce(
     Returns:
         A tree of ``tree``'s structure whose leaves are the reduced values (new
         tensors on the leaves' device, or on the CPU with ``to_cpu``; Python
-        scalars for Python scalar leaves): of ``tree``'s type.
+        scalars for Python scalar leaves). Type checkers read ``tree``'s
+        type, and for a mapping of tensors and Python scalars both (a dict
+        literal of a loss and a count) a dict of Any values.
 
     Raises:
         TypeError: an unsupported leaf (as in :func:`gather`), or an op its
@@ -435,6 +469,16 @@ def all_to_all(
     return out
 
 
+@overload
+def broadcast(tree: M, **options: Unpack[BroadcastOptions]) -> M: ...  # type: ignore[overload-overlap]
+@overload
+def broadcast(tree: F, **options: Unpack[BroadcastOptions]) -> F: ...  # type: ignore[overload-overlap]
+@overload
+def broadcast(tree: Mapping[K, torch.Tensor | float], **options: Unpack[BroadcastOptions]) -> dict[K, Any]: ...
+@overload
+def broadcast(tree: T, **options: Unpack[BroadcastOptions]) -> T: ...
+
+
 def broadcast(
     tree: T,
     *,
@@ -468,7 +512,7 @@ def broadcast(
     Returns:
         A tree of ``tree``'s structure with ``src``'s values (new tensors on
         the leaves' device, or on the CPU with ``to_cpu``; Python scalars for
-        Python scalar leaves): of ``tree``'s type.
+        Python scalar leaves): of ``tree``'s type, as :func:`reduce`'s.
 
     Raises:
         TypeError: an unsupported leaf (as in :func:`gather`), naming its

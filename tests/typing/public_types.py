@@ -32,3 +32,14 @@ assert_type(xcoll.reduce(8, "max"), int)
 
 assert_type(xcoll.broadcast(metrics, src=1), dict[str, torch.Tensor])
 assert_type(xcoll.broadcast(0.5), float)
+
+# A dict literal of tensors and Python scalars (what the README reduces):
+# its values are Any, so that each is used as what it is.
+stats = xcoll.reduce({"loss": t, "seen": 8}, {"loss": "mean", "seen": "sum"})
+assert_type(stats, dict[str, Any])
+loss: float = stats["loss"].item()
+seen: int = stats["seen"]
+assert_type(xcoll.broadcast({"seed": 1234, "w": t}, src=0), dict[str, Any])
+scalars: dict[str, float] = {"lr": 0.1, "step": 3}
+assert_type(xcoll.reduce(scalars, "max"), dict[str, float])
+assert_type(xcoll.broadcast(scalars), dict[str, float])
