@@ -164,6 +164,7 @@ _plumbing: dict[str, bool] = {"torch": True, "torch_xla": True}
 #: The name Dynamo gives the rest of a compiled function after a graph
 #: break (``torch_dynamo_resume_in_<function>_at_<line>``)
 _RESUMED = "torch_dynamo_resume_in_"
+_R = len(_RESUMED)  # (a slice's comparison, not startswith: no call per frame)
 
 
 def place(block: _Block) -> str:
@@ -183,7 +184,7 @@ def place(block: _Block) -> str:
         module = g["__name__"] if "__name__" in g else ""
         if not (_plumbing[module] if module in _plumbing else _is_plumbing(module)):
             code, line = f.f_code, f.f_lineno
-            if code.co_name[:23] == _RESUMED:
+            if code.co_name[:_R] == _RESUMED:
                 f, code = _resumed(f)
             sites.append((code, line))
             key += (id(code), line)
@@ -205,9 +206,9 @@ def _resumed(f: FrameType) -> tuple[FrameType, CodeType]:
     a graph break, at the source's lines) and the frames of that function
     above it, as the one frame an eager run has there: returns the last of
     them and the code that names them (the function's own)."""
-    name = f.f_code.co_name[len(_RESUMED) :].rpartition("_at_")[0]
+    name = f.f_code.co_name[_R:].rpartition("_at_")[0]
     g = f.f_back
-    while g is not None and g.f_code.co_name[:23] == _RESUMED:
+    while g is not None and g.f_code.co_name[:_R] == _RESUMED:
         g = g.f_back
     if g is None or g.f_code.co_name != name:  # (not as Dynamo makes them: named as it is)
         return f, f.f_code
