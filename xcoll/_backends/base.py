@@ -1,12 +1,14 @@
 """The backend boundary, in two halves.
 
 * :class:`Transport`: what a collectives engine provides: ``rank``,
-  ``world``, ``all_gather``, ``all_reduce``, ``broadcast``, ``wait``,
-  ``sync``, ``to_host`` and ``exchange`` (a small gather run on its own).
+  ``world``, ``all_gather``, ``all_reduce``, ``reduce_scatter``,
+  ``all_to_all``, ``broadcast``, ``wait``, ``sync``, ``to_host`` and
+  ``exchange`` (a small gather run on its own).
 * :class:`Kernels`: how packed buffers are built and cut on the engine's
-  device: ``join`` and ``unjoin`` (a move's one buffer), ``encode_reduce``
-  (packed and encoded) and ``decode_reduce`` (a reduce's), ``split`` and
-  ``bitcast``. The torch
+  device: ``pack``, ``join`` and ``unjoin`` (a move's one buffer),
+  ``encode_reduce`` (packed and encoded) and ``decode_reduce`` (a
+  reduce's), ``parts`` (a leaf cut into W parts along its dim: a scatter's),
+  ``keep`` (the rows a mask keeps), ``split`` and ``bitcast``. The torch
   implementation here serves every device; the XLA backend has its own, made of
   XLA computations (one graph node each instead of a torch call per leaf), and a
   test checks that both give the same bits.

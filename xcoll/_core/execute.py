@@ -15,8 +15,10 @@ through the op's encoding and back (:func:`_identity`); on XLA the copies
 are the call's one fetch, after its one sync. Packing, a program and a
 split would cost more than everything else the call does.
 
-Everything here reads the recipe; nothing calls back into the op that made
-it. The verdict of a one-sided broadcast (a receiver learns that ``src``'s
+Everything here reads the recipe, and asks its op (``r.op``) only the
+op's own rules: how a wire is made (``wires``) and sent (``send``), how
+results are decoded (``decoded``) and outputs finished (``finish``,
+``python``, ``scalar``). The verdict of a one-sided broadcast (a receiver learns that ``src``'s
 call differs only after taking part in every collective, as ``src`` does) is
 returned, not raised, so that a caller whose protocol goes on can go on.
 """

@@ -196,7 +196,8 @@ class Packed(Op):
     joins: bool = True
     #: Whether each leaf is cut along its dim into W parts, part ``r``
     #: addressed to replica ``r``: the wire is W segments of the same layout,
-    #: one per replica (:mod:`xcoll._core.ops.scatter`), and no bucket
+    #: one per replica (``ReduceScatter`` in :mod:`xcoll._core.ops.gather`,
+    #: :mod:`xcoll._core.ops.all_to_all`), and no bucket
     #: travels alone.
     scatters: bool = False
 
