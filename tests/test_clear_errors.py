@@ -298,14 +298,30 @@ def test_a_gather_of_shards_of_different_sizes_names_uneven_as_the_fix(world):
     w = pool.world_size
     for text, shape in pool.run(_shards, [2] * w):
         assert text.startswith("xcoll.gather: replicas made different calls; the first difference:"), text
-        assert text.endswith("(a leaf whose sizes differ between replicas: gather it with uneven=True)"), text
+        assert text.endswith("(a leaf whose size along dim differs between replicas: gather it with uneven=True)"), text
         assert shape == (2 * w + 1, 3)
 
 
-def test_the_fix_is_named_for_a_gathers_sizes_only():
-    mine, theirs = "tree['x']: float32 tensor of shape (2, 3)", "tree['x']: float32 tensor of shape (3, 3)"
-    assert _check._fix("call xcoll.gather", mine, theirs).endswith("with uneven=True)")
-    assert _check._fix("call xcoll.reduce", mine, theirs) == ""  # (a reduce's sizes must agree)
-    assert _check._fix("call xcoll.gather", mine, "tree['x']: float64 tensor of shape (3, 3)") == ""
-    assert _check._fix("call xcoll.gather", mine, "tree['x']: float32 tensor of shape (3)") == ""
-    assert _check._fix("call xcoll.gather", mine, "tree['y']: float32 tensor of shape (3, 3)") == ""
+def test_the_fix_is_named_for_a_gathers_sizes_along_its_dim_only():
+    def fix(call: str, params: str, mine: str, theirs: str) -> str:
+        lines = [f"call {call}", "tag: (none)", f"parameters: {params}"]
+        return _check._fix(lines, f"tree['x']: {mine}", f"tree['x']: {theirs}")
+
+    plain = "dim=0 stack=False uneven=False max_size=None to_cpu=False sync=True"
+    a, b = "float32 tensor of shape (2, 3)", "float32 tensor of shape (3, 3)"
+    assert fix("xcoll.gather", plain, a, b).endswith("gather it with uneven=True)")
+    assert fix("xcoll.gather", plain.replace("dim=0", "dim=1"), a, "float32 tensor of shape (2, 5)")
+    assert fix("xcoll.gather", plain.replace("dim=0", "dim=-1"), a, "float32 tensor of shape (2, 5)")
+    # not the fix: another dim differs, the call is uneven already or stacks,
+    # a reduce (whose sizes must agree), another dtype, rank or leaf
+    assert fix("xcoll.gather", plain, a, "float32 tensor of shape (2, 4)") == ""
+    assert fix("xcoll.gather", plain.replace("dim=0", "dim=1"), a, b) == ""
+    assert fix("xcoll.gather", plain.replace("uneven=False", "uneven=True"), a, b) == ""
+    assert fix("xcoll.gather", plain.replace("stack=False", "stack=True"), a, b) == ""
+    assert fix("xcoll.reduce", plain, a, b) == ""
+    assert fix("xcoll.gather", plain, a, "float64 tensor of shape (3, 3)") == ""
+    assert fix("xcoll.gather", plain, a, "float32 tensor of shape (3)") == ""
+    assert fix("xcoll.gather", plain, "float32 tensor of shape ()", "float32 tensor of shape (3)") == ""
+    assert _check._fix(
+        ["call xcoll.gather", "tag: (none)", f"parameters: {plain}"], f"tree['x']: {a}", f"tree['y']: {b}"
+    ) == ""

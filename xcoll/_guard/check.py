@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import threading
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -230,22 +231,37 @@ def _difference(transport: Transport, mine: list[str], theirs: list[str], other:
         return f"{them} raised before communicating ({there.removeprefix('error: ')})"
     if here.startswith("error: "):
         return f"this replica ({me}) raised before communicating; {them} did not"
-    first = f"first difference: this replica ({me}) has {here}; {them} has {there}{_fix(mine[0], here, there)}"
+    first = f"first difference: this replica ({me}) has {here}; {them} has {there}{_fix(mine, here, there)}"
     lacks = _lacks(mine, theirs, me, them)
     if lacks:
         return f"replicas made different calls; {lacks}. The {first}"
     return f"replicas made different calls; the {first}"
 
 
-def _fix(call: str, here: str, there: str) -> str:
+def _fix(mine: list[str], here: str, there: str) -> str:
     """The fix, where the difference is the one users make most: a gather
-    of a leaf whose sizes differ between replicas (the last batch of an
-    epoch, a shard of its own length)."""
+    (not uneven, not stacked) of a leaf whose size along the gathered dim
+    alone differs between replicas (the last batch of an epoch, a shard of
+    its own length)."""
+    params = f" {mine[2] if len(mine) > 2 else ''} "
+    found = re.search(r" dim=(-?\d+) stack=False uneven=False ", params)
     a, b = here.rpartition(" of shape "), there.rpartition(" of shape ")
-    same_ndim = a[2].count(",") == b[2].count(",") and "()" not in (a[2], b[2])
-    if call == "call xcoll.gather" and a[1] and b[1] and a[0] == b[0] and same_ndim:
-        return " (a leaf whose sizes differ between replicas: gather it with uneven=True)"
-    return ""
+    if mine[0] != "call xcoll.gather" or found is None or not (a[1] and b[1] and a[0] == b[0]):
+        return ""
+    mine_shape, their_shape = _shape(a[2]), _shape(b[2])
+    if not mine_shape or len(mine_shape) != len(their_shape):
+        return ""
+    differ = [k for k, (m, t) in enumerate(zip(mine_shape, their_shape, strict=True)) if m != t]
+    if differ != [int(found.group(1)) % len(mine_shape)]:
+        return ""
+    return " (a leaf whose size along dim differs between replicas: gather it with uneven=True)"
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    """A description's shape, ``(2, 3)``, as ints (empty where it is not one)."""
+    inner = text.strip().removeprefix("(").removesuffix(")")
+    parts = [p.strip() for p in inner.split(",") if p.strip()]
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else ()
 
 
 #: The paths each side's list of lacking leaves names, before a count of the rest.
