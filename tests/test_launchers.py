@@ -414,8 +414,13 @@ def test_xcoll_launch_runs_the_readmes_example_on_four_cpu_replicas(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # (read by a pattern, not by lines: replica threads' prints interleave,
     # and print writes its text and its newline apart)
-    ranks = re.findall(r"(\d) of 4: torch\.Size\(\[32, 5\]\) \{'loss': tensor\(", result.stdout)
-    assert sorted(ranks) == ["0", "1", "2", "3"], result.stdout
+    found = re.findall(
+        r"(\d) of 4: torch\.Size\(\[32, 5\]\) \{'loss': tensor\(([-\d.]+), device='xla:\d'\), 'seen': 32\} "
+        r"\{'seed': 1234\}",
+        result.stdout,
+    )
+    assert sorted(rank for rank, _ in found) == ["0", "1", "2", "3"], result.stdout
+    assert len({loss for _, loss in found}) == 1, found  # (the mean loss, alike on every replica)
 
 
 @needs_xla
