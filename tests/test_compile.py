@@ -1,67 +1,186 @@
-"""torch.compile around xcoll (gloo, W=2): each public call is one graph
-break, outside the traced graph, and the compiled function gives the eager
-function's values and, with ``grad=True``, its gradients."""
+"""xcoll under torch.compile (gloo, W=2 and 4): a call of a tree of tensors
+is traced into the compiled graph (no graph break, also with
+``fullgraph=True``) as one custom op whose kernel is the eager call, so the
+compiled step's values and gradients are the eager step's bit for bit, a
+replica that runs the step eagerly meets one that runs it compiled, and
+replicas whose compiled calls differ raise xcoll's error on every replica.
+Calls that cannot be traced are one graph break each."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import xcoll
 from tests.replicas import shared_pool
 
-
-def _metrics(x: torch.Tensor) -> torch.Tensor:
-    m = xcoll.reduce({"a": x * 2, "n": x.sum()}, {"a": "mean", "n": "sum"})
-    return m["a"] + m["n"]
+WORLDS = ["gloo-2", "gloo-4"]
 
 
-def _contrastive(x: torch.Tensor) -> torch.Tensor:
-    every = xcoll.gather(x * 2, grad=True)
-    return (every * every).sum()
+def _training_step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A contrastive step: embeddings, a loss over a ``grad=True`` gather,
+    a metrics reduce, a broadcast seed, and a sharded gradient's
+    reduce-scatter and all-to-all (``grad=True``)."""
+    emb = x * w
+    every = xcoll.gather({"emb": emb, "norm": (emb * emb).sum(1)}, grad=True)
+    loss = (every["emb"] @ emb.T).sum() + every["norm"].sum()
+    shard = xcoll.reduce_scatter({"g": emb.reshape(-1)}, "sum", grad=True)["g"]
+    swapped = xcoll.all_to_all(emb.reshape(-1), grad=True)
+    loss = loss + (shard * shard).sum() + (swapped * 3).sum()
+    metrics = xcoll.reduce(
+        {"loss": loss.detach(), "seen": torch.tensor(x.shape[0]), "top": emb.detach().max()},
+        {"loss": "mean", "seen": "sum", "top": "max"},
+    )
+    seed = xcoll.broadcast({"seed": torch.tensor([7 + xcoll.rank()])}, src=1)
+    return loss, {**metrics, **seed}
 
 
-def _broadcast_twice(x: torch.Tensor) -> torch.Tensor:
-    y = xcoll.broadcast(x + 1, src=1)
-    return xcoll.broadcast(y * 3, src=0) - x
+def _batch(n: int) -> torch.Tensor:
+    # (small integers: every sum is exact in float32, in any order inductor adds)
+    r = xcoll.rank()
+    return (torch.arange(n * 4.0).reshape(n, 4) % 5 + r) * xcoll.world_size()
 
 
-#: name -> (function, its xcoll calls: the graph breaks expected)
-FUNCTIONS = {
-    "metrics": (_metrics, 1),
-    "contrastive": (_contrastive, 1),
-    "broadcast twice": (_broadcast_twice, 2),
-}
+def _run(step: Any, n: int) -> dict[str, Any]:
+    w = torch.ones(4, requires_grad=True)
+    loss, metrics = step(_batch(n), w)
+    loss.backward()
+    return {"loss": loss.detach(), "grad": w.grad, **metrics}
 
 
-def _compiled(_: Any = None) -> dict[str, Any]:
-    """Per function: its graph breaks under Dynamo, whether the compiled
-    function's values equal the eager ones, and (where it is differentiable)
-    its input gradients."""
+def _step_compiled(backend: str) -> dict[str, Any]:
+    """The step's graph breaks, and per batch size (the second one with
+    Dynamo's dynamic shapes) whether the compiled step's values and
+    gradients are the eager step's, bit for bit."""
     import torch._dynamo as dynamo
 
-    x = torch.arange(3.0) + 10 * xcoll.rank()
-    out: dict[str, Any] = {}
-    for name, (f, _) in FUNCTIONS.items():
-        dynamo.reset()
-        out[f"{name} breaks"] = dynamo.explain(f)(x).graph_break_count
-        dynamo.reset()
-        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
-        compiled, eager = torch.compile(f, backend="aot_eager")(xc), f(xe)
-        out[f"{name} values"] = torch.equal(compiled, eager)
-        if compiled.requires_grad:
-            compiled.sum().backward()
-            eager.sum().backward()
-            out[f"{name} gradients"] = torch.equal(xc.grad, xe.grad)
+    dynamo.reset()
+    out: dict[str, Any] = {"breaks": dynamo.explain(_training_step)(_batch(8), torch.ones(4)).graph_break_count}
+    dynamo.reset()
+    compiled = torch.compile(_training_step, backend=backend, fullgraph=True)
+    for n in (8, 12):
+        got, want = _run(compiled, n), _run(_training_step, n)
+        out[f"equal at {n}"] = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     return out
 
 
-def test_each_call_is_one_graph_break_with_the_eager_values_and_gradients():
-    got = shared_pool("gloo-2").run(_compiled, [None, None])
-    expected: dict[str, Any] = {}
-    for name, (_, calls) in FUNCTIONS.items():
-        expected |= {f"{name} breaks": calls, f"{name} values": True}
-    # (the broadcasts' outputs do not require grad; "- x" does)
-    expected["contrastive gradients"] = expected["broadcast twice gradients"] = True
-    assert got == [expected, expected]
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_compiled_training_step_traces_every_call_with_the_eager_values_and_gradients(world, backend):
+    pool = shared_pool(world)
+    expected = {"breaks": 0, "equal at 8": True, "equal at 12": True}
+    assert pool.run(_step_compiled, [backend] * pool.world_size) == [expected] * pool.world_size
+
+
+def _compiled_on_rank_0(_: Any) -> dict[str, Any]:
+    """The step compiled on rank 0 and eager on the others, in a step
+    block: each replica's values, and the all-eager step's."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    step = torch.compile(_training_step, backend="aot_eager", fullgraph=True) if xcoll.rank() == 0 else _training_step
+    with xcoll.step(0):
+        got = _run(step, 8)
+    want = _run(_training_step, 8)
+    return {k: torch.equal(got[k], want[k]) for k in want}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_step_compiled_on_one_replica_meets_the_eager_step_on_the_others(world):
+    # (Dynamo runs a frame eagerly after its recompile limit, on one rank only)
+    pool = shared_pool(world)
+    got = pool.run(_compiled_on_rank_0, [None] * pool.world_size)
+    assert all(r and all(r.values()) for r in got), got
+
+
+def _keyed(x: torch.Tensor, key: str) -> dict[str, torch.Tensor]:
+    return xcoll.reduce({key: x * 2})
+
+
+def _differing(_: Any) -> tuple[str, list[float]]:
+    """Compiled calls whose trees differ between replicas (rank 0's key
+    "a", the others' "b"): each replica's error, then a call after it."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    f = torch.compile(_keyed, backend="aot_eager", fullgraph=True)
+    try:
+        f(torch.ones(2), "a" if xcoll.rank() == 0 else "b")
+        error = "no error"
+    except xcoll.CollectiveMismatchError as e:
+        error = str(e)
+    return error, xcoll.reduce(torch.ones(2)).tolist()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_replicas_whose_compiled_calls_differ_raise_xcolls_error_on_every_replica(world):
+    pool = shared_pool(world)
+    w = pool.world_size
+    got = pool.run(_differing, [None] * w)
+    for error, after in got:
+        assert "xcoll.reduce" in error and "['a']" in error and "['b']" in error, error
+        assert after == [w, w]
+
+
+def _bad_shard(x: torch.Tensor) -> torch.Tensor:
+    return xcoll.reduce_scatter({"g": x})["g"]
+
+
+def _refused(_: Any) -> str:
+    """A compiled reduce-scatter of a leaf whose size is not a multiple of
+    W: the error each replica raises."""
+    f = torch.compile(_bad_shard, backend="aot_eager", fullgraph=True)
+    try:
+        f(torch.ones(xcoll.world_size() + 1))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_compiled_call_that_the_eager_call_refuses_raises_its_error_on_every_replica():
+    pool = shared_pool("gloo-2")
+    for error in pool.run(_refused, [None, None]):
+        assert error.startswith("tree['g']: dim 0 of shape (3,) has 3 elements, which the 2 replicas cannot"), error
+
+
+# (each computes before its call: Dynamo's explain counts a break after a graph)
+def _scalar_leaf(x):
+    return xcoll.reduce({"x": x + 1, "n": 3})["x"] * 2
+
+
+def _to_cpu(x):
+    return xcoll.gather(x + 1, to_cpu=True) + 1
+
+
+def _uneven(x):
+    return xcoll.gather(x[: xcoll.rank() + 1], uneven=True).sum() + x
+
+
+def _synced(x):
+    y = x + 1
+    xcoll.sync()
+    return y * 2
+
+
+#: name -> a function with one call that is not traced
+UNTRACED = {"a Python scalar leaf": _scalar_leaf, "to_cpu": _to_cpu, "uneven": _uneven, "xcoll.sync": _synced}
+
+
+def _untraced(_: Any) -> dict[str, Any]:
+    import torch._dynamo as dynamo
+
+    x = torch.arange(3.0) + xcoll.rank()
+    out = {}
+    for name, f in UNTRACED.items():
+        dynamo.reset()
+        breaks = dynamo.explain(f)(x).graph_break_count
+        dynamo.reset()
+        out[name] = (breaks, torch.equal(torch.compile(f, backend="aot_eager")(x), f(x)))
+    return out
+
+
+def test_each_call_that_is_not_traced_is_one_graph_break_with_the_eager_values():
+    got = shared_pool("gloo-2").run(_untraced, [None, None])
+    assert got == [{name: (1, True) for name in UNTRACED}] * 2

@@ -64,6 +64,7 @@ LAYERS = {
         ["xcoll._core.uneven.exact", "xcoll._core.uneven.padded"],
         ["xcoll._core.uneven"],
         ["xcoll._core.grad"],
+        ["xcoll._core.traced"],
     ],
     "xcoll": [["xcoll._samples"], ["xcoll._collectives"], ["xcoll._objects", "xcoll._rng", "xcoll._step"]],
 }

@@ -16,6 +16,7 @@ import torch
 from . import _backends
 from ._core import grad as _grad
 from ._core import ops as _ops
+from ._core import traced as _traced
 from ._core import uneven as _uneven
 from ._guard import order as _order
 from ._guard import verdict as _verdict
@@ -216,10 +217,10 @@ def gather(
     {'x': tensor([1, 2]), 'n': [3]}
     """
     if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        return _outside(gather)(
-            tree, dim=dim, stack=stack, group=group, sync=sync, to_cpu=to_cpu,
+        return _traced.call(gather, tree, dict(
+            dim=dim, stack=stack, group=group, sync=sync, to_cpu=to_cpu,
             uneven=uneven, max_size=max_size, grad=grad, tag=tag,
-        )
+        ))
     if not (
         stack.__class__ is sync.__class__ is to_cpu.__class__ is uneven.__class__ is grad.__class__ is bool
     ):
@@ -321,8 +322,8 @@ def reduce(
     {'loss': tensor(0.5000), 'n': 4}
     """
     if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        outside: T = _outside(reduce)(tree, op, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag)
-        return outside
+        traced: T = _traced.call(reduce, tree, dict(op=op, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag))
+        return traced
     if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
         _flags(sync=sync, to_cpu=to_cpu, grad=grad)
     if op is None and tree is not None:  # (optree reads None as an empty tree, the prefix
@@ -396,10 +397,10 @@ def reduce_scatter(
     {'grad': tensor([1., 2.])}
     """
     if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        outside: T = _outside(reduce_scatter)(
-            tree, op, dim=dim, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
-        )
-        return outside
+        traced: T = _traced.call(reduce_scatter, tree, dict(
+            op=op, dim=dim, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
+        ))
+        return traced
     if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
         _flags(sync=sync, to_cpu=to_cpu, grad=grad)
     out: T = _grad.call(_ops.ReduceScatter(op, dim=dim, grad=grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
@@ -459,10 +460,10 @@ def all_to_all(
             [3, 4]])}
     """
     if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        outside: T = _outside(all_to_all)(
-            tree, dim=dim, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
-        )
-        return outside
+        traced: T = _traced.call(all_to_all, tree, dict(
+            dim=dim, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
+        ))
+        return traced
     if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
         _flags(sync=sync, to_cpu=to_cpu, grad=grad)
     out: T = _grad.call(_ops.AllToAll(dim=dim, grad=grad), tree, group, sync=sync, to_cpu=to_cpu, tag=tag)
@@ -534,10 +535,10 @@ def broadcast(
     {'seed': 7, 'w': tensor([1., 1.])}
     """
     if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        outside: T = _outside(broadcast)(
-            tree, src=src, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
-        )
-        return outside
+        traced: T = _traced.call(broadcast, tree, dict(
+            src=src, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
+        ))
+        return traced
     if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
         _flags(sync=sync, to_cpu=to_cpu, grad=grad)
     # (a tree of the input's structure and leaf types)
@@ -569,6 +570,8 @@ def rank(group: Any = None) -> int:
     >>> xcoll.rank()
     0
     """
+    if torch.compiler.is_dynamo_compiling():  # (a constant of the graph, where it is one)
+        return _traced.asked(rank, group)
     return _backends.current(group).rank()
 
 
@@ -591,6 +594,8 @@ def world_size(group: Any = None) -> int:
     >>> xcoll.world_size()
     1
     """
+    if torch.compiler.is_dynamo_compiling():  # (a constant of the graph, where it is one)
+        return _traced.asked(world_size, group)
     return _backends.current(group).world
 
 

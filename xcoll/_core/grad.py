@@ -101,34 +101,56 @@ class _Differentiable(torch.autograd.Function):
     def forward(ctx, call, *tensors):
         # (the call in one argument: autograd's apply visits each argument)
         op, p, sync, to_cpu, tag, ctx.group = call
-        flat, ctx.transport = p.flat, p.transport
-        out, ctx.sizes, sig = _call.called(op, p, sync=sync, to_cpu=to_cpu, tag=tag)
-        key = (op.name, op.src, op.key(flat, 1))
-        ctx.rule = _rules.get(key, Rule.of, op, flat)
-        ctx.identity = _identity(sig)
-        return tuple(flat.treespec.flatten_up_to(out))
+        ctx.transport = p.transport
+        out, ctx.sizes, ctx.rule, ctx.identity = forward(op, p, sync=sync, to_cpu=to_cpu, tag=tag)
+        return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
-        rule: Rule = ctx.rule
-        sent = iter(rule.op.sent([grads[i] for i in rule.leaves], rule.dims))
-        travelling = set(rule.leaves)
-        tree = optree.tree_unflatten(
-            rule.treespec, [next(sent) if i in travelling else None for i in range(len(grads))]
-        )
-        # (differentiable itself under create_graph=True; every Op is a frozen
-        # dataclass, which the abstract base cannot say to mypy)
-        backward = dataclasses.replace(rule.backward, grad=torch.is_grad_enabled())  # type: ignore[type-var]
-        # An uneven gather's collective runs on its own, after the pending work
-        # (whose shapes differ between replicas), as its forward's does.
-        alone = rule.op.alone_backward
-        if alone:
-            ctx.transport.sync()
-        out = call(backward, tree, ctx.group, sync=alone, to_cpu=False, tag=ctx.identity)
-        reduced = optree.tree_leaves(out, none_is_leaf=False)
-        took = rule.op.take(reduced, rule.dims, rule.shapes, ctx.transport, ctx.sizes)
-        taken = dict(zip(rule.leaves, took, strict=True))
-        return (None,) + tuple(taken.get(i) for i in rule.tensors)
+        return (None, *backward(ctx.rule, ctx.transport, ctx.group, ctx.identity, ctx.sizes, grads))
+
+
+def forward(
+    op: _ops.Op, p: _call.Prepared, *, sync: bool, to_cpu: bool, tag: Any
+) -> tuple[list[Any], Any, Rule, _steps.Identity]:
+    """A differentiable call's forward, the call prepared as ``p`` (without
+    its error): its output leaves, what its backward needs of it (the op's
+    sizes, its :class:`Rule`, the forward's :class:`~xcoll._guard.steps.Identity`)."""
+    flat = p.flat
+    assert flat is not None
+    out, sizes, sig = _call.called(op, p, sync=sync, to_cpu=to_cpu, tag=tag)
+    return flat.treespec.flatten_up_to(out), sizes, rule(op, flat), _identity(sig)
+
+
+def rule(op: _ops.Op, flat: _tree.Flat) -> Rule:
+    """The :class:`Rule` of a differentiable call of ``op`` on ``flat``."""
+    return _rules.get((op.name, op.src, op.key(flat, 1)), Rule.of, op, flat)
+
+
+def backward(
+    rule: Rule, transport: Any, group: Any, identity: _steps.Identity, sizes: Any, grads: Any
+) -> tuple[torch.Tensor | None, ...]:
+    """A differentiable call's backward: its rule's collective of the output
+    leaves' gradients ``grads``, named by its forward's ``identity``; each
+    tensor input's gradient (None where none travels)."""
+    sent = iter(rule.op.sent([grads[i] for i in rule.leaves], rule.dims))
+    travelling = set(rule.leaves)
+    tree = optree.tree_unflatten(
+        rule.treespec, [next(sent) if i in travelling else None for i in range(len(grads))]
+    )
+    # (differentiable itself under create_graph=True; every Op is a frozen
+    # dataclass, which the abstract base cannot say to mypy)
+    op = dataclasses.replace(rule.backward, grad=torch.is_grad_enabled())  # type: ignore[type-var]
+    # An uneven gather's collective runs on its own, after the pending work
+    # (whose shapes differ between replicas), as its forward's does.
+    alone = rule.op.alone_backward
+    if alone:
+        transport.sync()
+    out = call(op, tree, group, sync=alone, to_cpu=False, tag=identity)
+    reduced = optree.tree_leaves(out, none_is_leaf=False)
+    took = rule.op.take(reduced, rule.dims, rule.shapes, transport, sizes)
+    taken = dict(zip(rule.leaves, took, strict=True))
+    return tuple(taken.get(i) for i in rule.tensors)
 
 
 def _identity(forward: _header.Signature | None) -> _steps.Identity:

@@ -33,10 +33,11 @@ the same forward call, whichever thread runs it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any
@@ -174,11 +175,17 @@ def place(block: _Block) -> str:
     leaving out plumbing (:data:`_PLUMBING`), and each named by its
     function and line, not its file: replicas that run one program agree,
     whether a function was compiled by Dynamo on one and not another, a
-    file reached under two names, or a notebook cell named per replica."""
+    file reached under two names, or a notebook cell named per replica.
+
+    A call that runs inside a graph compiled by torch.compile
+    (:mod:`xcoll._core.traced`) has no frames of its own below the compiled
+    function's: its :class:`Traced` place, read while Dynamo traced it, is
+    taken for them."""
     f: FrameType | None = sys._getframe(1)
     stops = block.stops
     sites: list[tuple[CodeType, int]] = []
     key: list[int] = []
+    traced: Traced | None = _local.traced if "traced" in _local.__dict__ else None
     while f is not None and len(sites) < DEPTH:
         g = f.f_globals
         module = g["__name__"] if "__name__" in g else ""
@@ -186,6 +193,9 @@ def place(block: _Block) -> str:
             code, line = f.f_code, f.f_lineno
             if code.co_name[:_R] == _RESUMED:
                 f, code = _resumed(f)
+            if traced is not None:  # (the compiled function: at its line that Dynamo traced)
+                line, traced = traced.line, None
+                key.append(id(_local.traced))
             sites.append((code, line))
             key += (id(code), line)
         if f in stops:
@@ -196,9 +206,45 @@ def place(block: _Block) -> str:
         return known[0]
     if len(_places) >= _SITES:
         _places.clear()
-    text = " <- ".join(_named(code, line) for code, line in sites)
+    inner = _local.traced.inner if "traced" in _local.__dict__ else ()
+    text = " <- ".join((*inner, *(_named(code, line) for code, line in sites))[:DEPTH])
     _places[tuple(key)] = (text, tuple(code for code, _ in sites))
     return text
+
+
+@dataclass(frozen=True)
+class Traced:
+    """The place of a call traced into a compiled graph, as Dynamo traced
+    it: the frames below the compiled function, named (innermost first),
+    and the compiled function's line."""
+
+    inner: tuple[str, ...]
+    line: int
+
+
+@contextlib.contextmanager
+def traced(where: Traced | None) -> Iterator[None]:
+    """Within the block, this thread's calls were traced at ``where`` (None:
+    where they are made)."""
+    if where is None:
+        yield
+        return
+    _local.traced = where
+    try:
+        yield
+    finally:
+        del _local.traced
+
+
+def traced_place(frames: list[tuple[CodeType, int, str]]) -> Traced | None:
+    """:class:`Traced` of a call whose frames, from the call up to the
+    compiled function, are ``frames`` (code, line, module), as Dynamo
+    traces them (None: it has none of the program's own)."""
+    named = [(code, line) for code, line, module in frames if not _is_plumbing(module)]
+    if not named:
+        return None
+    *inner, (_, line) = named
+    return Traced(tuple(_named(code, n) for code, n in inner), line)
 
 
 def _resumed(f: FrameType) -> tuple[FrameType, CodeType]:
