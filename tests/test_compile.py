@@ -24,13 +24,14 @@ def _training_step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, Any]
     a metrics reduce, a broadcast seed, and a sharded gradient's
     reduce-scatter and all-to-all (``grad=True``)."""
     emb = x * w
-    every = xcoll.gather({"emb": emb, "norm": (emb * emb).sum(1)}, grad=True)
+    # (keys not in sorted order: xcoll packs in optree's, which sorts them)
+    every = xcoll.gather({"norm": (emb * emb).sum(1), "emb": emb}, grad=True)
     loss = (every["emb"] @ emb.T).sum() + every["norm"].sum()
     shard = xcoll.reduce_scatter({"g": emb.reshape(-1)}, "sum", grad=True)["g"]
     swapped = xcoll.all_to_all(emb.reshape(-1), grad=True)
     loss = loss + (shard * shard).sum() + (swapped * 3).sum()
     metrics = xcoll.reduce(
-        {"loss": loss.detach(), "seen": torch.tensor(x.shape[0]), "top": emb.detach().max()},
+        {"seen": torch.tensor(x.shape[0]), "loss": loss.detach(), "top": emb.detach().max()},
         {"loss": "mean", "seen": "sum", "top": "max"},
     )
     seed = xcoll.broadcast({"seed": torch.tensor([7 + xcoll.rank()])}, src=1)
@@ -184,3 +185,61 @@ def _untraced(_: Any) -> dict[str, Any]:
 def test_each_call_that_is_not_traced_is_one_graph_break_with_the_eager_values():
     got = shared_pool("gloo-2").run(_untraced, [None, None])
     assert got == [{name: (1, True) for name in UNTRACED}] * 2
+
+
+def _logged_on_rank_0(x: torch.Tensor) -> torch.Tensor:
+    """A step whose metrics only rank 0 uses (its logging): on the other
+    replicas the call's outputs are unused in the graph."""
+    metrics = xcoll.reduce({"loss": x.sum()}, "mean")
+    seen = xcoll.gather(x[:1])
+    if xcoll.rank() == 0:
+        return x + metrics["loss"] + seen.sum()
+    return x * 2
+
+
+def _unused_outputs(backend: str) -> list[float]:
+    """The step compiled, then an eager call: each replica's values."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    x = torch.arange(2.0) + xcoll.rank()
+    out = torch.compile(_logged_on_rank_0, backend=backend, fullgraph=True)(x)
+    return out.tolist() + xcoll.reduce(torch.ones(1)).tolist()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_call_whose_outputs_are_unused_still_meets_the_other_replicas(backend):
+    # (a compiler leaves out an unused pure op: the other replicas' calls
+    # would pair with the next one)
+    got = shared_pool("gloo-2").run(_unused_outputs, [backend] * 2)
+    # rank 0: x + mean(sum) + (0 + 1), the other: x * 2; then the eager call's sum
+    assert got == [[0 + 2.0 + 1, 1 + 2.0 + 1, 2.0], [2.0, 4.0, 2.0]]
+
+
+def _loss_without_grad(x: torch.Tensor) -> torch.Tensor:
+    return xcoll.reduce({"loss": x * 2})["loss"].sum()
+
+
+def _warned(_: Any) -> list[str]:
+    """A compiled call without grad=True of a leaf that requires grad: the
+    warnings each replica is given, and whether the graph ran."""
+    import warnings
+
+    import torch._dynamo as dynamo
+
+    from xcoll._core import grad
+
+    dynamo.reset()
+    grad._once.__dict__.pop("warned", None)  # (told once per replica: this test's own)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = torch.compile(_loss_without_grad, backend="aot_eager", fullgraph=True)(torch.ones(2, requires_grad=True))
+    return [str(w.message) for w in seen if "grad=True" in str(w.message)] + [str(out.item())]
+
+
+def test_a_compiled_call_without_grad_of_a_leaf_that_requires_grad_warns_once_on_every_replica():
+    got = shared_pool("gloo-2").run(_warned, [None, None])
+    for rank, messages in enumerate(got):
+        *warned, value = messages
+        assert value == "8.0" and len(warned) == 1, messages
+        assert warned[0].startswith(f"xcoll.reduce on rank {rank}: tree['loss'] requires grad"), warned

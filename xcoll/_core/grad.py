@@ -175,18 +175,24 @@ def _warn_without_grad(op: _ops.Op, p: _call.Prepared) -> None:
     and the call is made without ``grad=True``: its outputs carry no gradient
     back, which trains silently wrong where one was meant."""
     assert p.flat is not None
-    for i in p.flat.tensors:
-        if p.flat.leaves[i].requires_grad:
+    warn_without_grad(op.name, p.flat, p.transport, stacklevel=5)
+
+
+def warn_without_grad(name: str, flat: _tree.Flat, transport: Any, stacklevel: int) -> None:
+    """:func:`_warn_without_grad`'s warning, for call ``name`` of ``flat``
+    (also while torch.compile traces it)."""
+    for i in flat.tensors:
+        if flat.leaves[i].requires_grad:
             _once.warned = True
-            path, rank = p.flat.path(i), p.transport.rank_name(p.transport.rank())
+            path, rank = flat.path(i), transport.rank_name(transport.rank())
             warnings.warn(
-                f"{op.name} on {rank}: {path} requires grad and autograd is on, but the call "
+                f"{name} on {rank}: {path} requires grad and autograd is on, but the call "
                 "is made without grad=True: its output carries no gradient back to "
                 f"{path} on any replica. Pass grad=True to differentiate through the call; "
                 "to silence this warning, pass a detached tensor (.detach()) or call under "
                 "torch.no_grad() (told once per replica)",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=stacklevel,
             )
             return
 

@@ -93,8 +93,6 @@ def call(fn: Any, tree: Any, params: dict[str, Any]) -> Any:
     key = _made(fn.__name__, params, group, _traces(tree, params, group))
     if not key:
         return _eagerly(fn, tree, group, params)
-    if not params["grad"]:  # (as eagerly: outputs that carry no gradient)
-        tree = pytree.tree_map(torch.Tensor.detach, tree)
     out = _node(key, _place(), tree, _order)
     return pytree.tree_unflatten(list(out), pytree.tree_structure(tree))
 
@@ -207,11 +205,17 @@ _order = torch.empty(0)
 def _node(key: str, place: str, tree: Any, order: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The call's node: run while the graph is traced (by Dynamo, then by
     AOTAutograd, on fake tensors); ``xcoll::call`` in the graph."""
-    leaves, spec = pytree.tree_flatten(_plain(tree))
+    tree = _plain(tree)
+    leaves, spec = pytree.tree_flatten(tree)
     whole = hashlib.sha256(repr((key, place, spec)).encode()).hexdigest()
     if whole not in _calls:
         indices = _tree.flatten(pytree.tree_unflatten(list(range(len(leaves))), spec)).leaves
         _calls[whole] = Call(_ops_made[key], _places[place], spec, tuple(indices))
+    o = _calls[whole].op
+    if not o.op.grad:  # (as eagerly: outputs that carry no gradient)
+        if "warned" not in _grad._once.__dict__ and torch.is_grad_enabled():
+            _grad.warn_without_grad(o.op.name, _tree.flatten(tree), _backends.current(o.group), 5)
+        leaves = [t.detach() for t in leaves]
     call, done, _ = _custom_ops()
     out = call(leaves, order, whole)[: len(leaves)]
     done(order, [t.detach() for t in out])
@@ -224,7 +228,6 @@ def _installed() -> None:
     break, once Dynamo runs (xcoll does not import it)."""
     global _eagerly
     torch._dynamo.allow_in_graph(_node)
-    torch.fx.node.has_side_effect(_node)  # (Dynamo keeps it where its outputs are unused)
     _eagerly = torch.compiler.disable(_eagerly, recursive=True)
 
 

@@ -187,9 +187,12 @@ def place(block: _Block) -> str:
     key: list[int] = []
     traced: Traced | None = _local.traced if "traced" in _local.__dict__ else None
     while f is not None and len(sites) < DEPTH:
+        if traced is not None and f.f_code.co_name != traced.root:
+            f = f.f_back  # (the graph's own frames, below the compiled function's)
+            continue
         g = f.f_globals
         module = g["__name__"] if "__name__" in g else ""
-        if not (_plumbing[module] if module in _plumbing else _is_plumbing(module)):
+        if traced is not None or not (_plumbing[module] if module in _plumbing else _is_plumbing(module)):
             code, line = f.f_code, f.f_lineno
             if code.co_name[:_R] == _RESUMED:
                 f, code = _resumed(f)
@@ -219,6 +222,9 @@ class Traced:
     and the compiled function's line."""
 
     inner: tuple[str, ...]
+    #: The compiled function's name (of its code: a resume function's, past
+    #: a graph break) and line.
+    root: str
     line: int
 
 
@@ -239,12 +245,12 @@ def traced(where: Traced | None) -> Iterator[None]:
 def traced_place(frames: list[tuple[CodeType, int, str]]) -> Traced | None:
     """:class:`Traced` of a call whose frames, from the call up to the
     compiled function, are ``frames`` (code, line, module), as Dynamo
-    traces them (None: it has none of the program's own)."""
-    named = [(code, line) for code, line, module in frames if not _is_plumbing(module)]
-    if not named:
+    traces them (None: none were read)."""
+    if not frames:
         return None
-    *inner, (_, line) = named
-    return Traced(tuple(_named(code, n) for code, n in inner), line)
+    *inner, (root, line, _) = frames
+    named = tuple(_named(code, n) for code, n, module in inner if not _is_plumbing(module))
+    return Traced(named, root.co_name, line)
 
 
 def _resumed(f: FrameType) -> tuple[FrameType, CodeType]:
