@@ -178,13 +178,21 @@ def _untraced(_: Any) -> dict[str, Any]:
         dynamo.reset()
         breaks = dynamo.explain(f)(x).graph_break_count
         dynamo.reset()
-        out[name] = (breaks, torch.equal(torch.compile(f, backend="aot_eager")(x), f(x)))
+        try:
+            torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+            refused = "no error"
+        except Exception as e:  # (Dynamo's Unsupported)
+            refused = str(e)
+        dynamo.reset()
+        same = torch.equal(torch.compile(f, backend="aot_eager")(x), f(x))
+        out[name] = (breaks, same, "(reason: xcoll: this call runs eagerly, a graph break" in refused)
     return out
 
 
 def test_each_call_that_is_not_traced_is_one_graph_break_with_the_eager_values():
+    # (and fullgraph=True refuses it, naming xcoll's reason)
     got = shared_pool("gloo-2").run(_untraced, [None, None])
-    assert got == [{name: (1, True) for name in UNTRACED}] * 2
+    assert got == [{name: (1, True, True) for name in UNTRACED}] * 2
 
 
 def _logged_on_rank_0(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ Each builds its op (:mod:`xcoll._core.ops`; an uneven gather's is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, overload
 
 import torch
@@ -33,17 +33,6 @@ def _flags(**flags: Any) -> None:
     for name, value in flags.items():
         if value is not True and value is not False:
             raise TypeError(f"{name} must be a bool (True or False), got {value!r:.80}")
-
-
-def _outside(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, run outside any graph that torch.compile traces: a public call
-    traced by Dynamo becomes one graph break around it, and runs as it does
-    eagerly (its collectives, caches and checks cannot be traced: Dynamo would
-    break the graph a dozen times inside, and trace through caches). Reached
-    only while Dynamo traces (``is_dynamo_compiling``), so torch._dynamo,
-    which takes seconds to import, is already loaded."""
-    disabled: Callable[..., Any] = torch.compiler.disable(fn, recursive=True)
-    return disabled
 
 
 _OPS_NAMED = " ".join(f'"{o}"' for o in _ops.OPS)
@@ -216,7 +205,7 @@ def gather(
     >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
     {'x': tensor([1, 2]), 'n': [3]}
     """
-    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+    if torch.compiler.is_dynamo_compiling():  # (xcoll._core.traced)
         return _traced.call(gather, tree, dict(
             dim=dim, stack=stack, group=group, sync=sync, to_cpu=to_cpu,
             uneven=uneven, max_size=max_size, grad=grad, tag=tag,
@@ -321,7 +310,7 @@ def reduce(
     >>> xcoll.reduce({"loss": torch.tensor(0.5), "n": 4}, {"loss": "mean", "n": "sum"})
     {'loss': tensor(0.5000), 'n': 4}
     """
-    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+    if torch.compiler.is_dynamo_compiling():  # (xcoll._core.traced)
         traced: T = _traced.call(reduce, tree, dict(op=op, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag))
         return traced
     if not sync.__class__ is to_cpu.__class__ is grad.__class__ is bool:
@@ -396,7 +385,7 @@ def reduce_scatter(
     >>> xcoll.reduce_scatter({"grad": torch.tensor([1.0, 2.0])})  # a world of one
     {'grad': tensor([1., 2.])}
     """
-    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+    if torch.compiler.is_dynamo_compiling():  # (xcoll._core.traced)
         traced: T = _traced.call(reduce_scatter, tree, dict(
             op=op, dim=dim, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
         ))
@@ -459,7 +448,7 @@ def all_to_all(
     {'tokens': tensor([[1, 2],
             [3, 4]])}
     """
-    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+    if torch.compiler.is_dynamo_compiling():  # (xcoll._core.traced)
         traced: T = _traced.call(all_to_all, tree, dict(
             dim=dim, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
         ))
@@ -534,7 +523,7 @@ def broadcast(
     >>> xcoll.broadcast({"seed": 7, "w": torch.ones(2)})
     {'seed': 7, 'w': tensor([1., 1.])}
     """
-    if torch.compiler.is_dynamo_compiling():  # (see _outside)
+    if torch.compiler.is_dynamo_compiling():  # (xcoll._core.traced)
         traced: T = _traced.call(broadcast, tree, dict(
             src=src, group=group, sync=sync, to_cpu=to_cpu, grad=grad, tag=tag
         ))
@@ -626,8 +615,8 @@ def sync(group: Any = None) -> None:
     >>> import xcoll
     >>> xcoll.sync()  # a world of one: nothing is pending
     """
-    if torch.compiler.is_dynamo_compiling():  # (see _outside)
-        _outside(sync)(group)
+    if torch.compiler.is_dynamo_compiling():  # (a graph break: xcoll._core.traced)
+        _traced.eagerly(sync, group)
         return
     transport = _backends.current(group)
     if not transport.lazy:

@@ -107,6 +107,21 @@ def asked(fn: Any, group: Any) -> int:
     return _eagerly(fn, group, None, None)
 
 
+#: What Dynamo names as the reason of a graph break around a call.
+_WHY_EAGERLY = (
+    "xcoll: this call runs eagerly, a graph break (a call of Python scalar leaves, to_cpu, "
+    "uneven or max_size, xcoll.sync, objects, RNG states, a call on XLA, or arguments the "
+    "eager call refuses: docs/design.md, 'Under torch.compile')"
+)
+
+
+def eagerly(fn: Any, group: Any) -> Any:
+    """Public call ``fn`` of ``group`` alone (:func:`xcoll.sync`) reached
+    while Dynamo traces: a graph break around the eager call."""
+    _process_is_replica(group)  # (run while Dynamo traces: it marks _eagerly)
+    return _eagerly(fn, group, None, None)
+
+
 def _eagerly(fn: Any, tree: Any, group: Any, params: dict[str, Any] | None) -> Any:
     """Public call ``fn``, made eagerly: one graph break."""
     return fn(tree) if params is None else fn(tree, group=group, **params)
@@ -228,7 +243,7 @@ def _installed() -> None:
     break, once Dynamo runs (xcoll does not import it)."""
     global _eagerly
     torch._dynamo.allow_in_graph(_node)
-    _eagerly = torch.compiler.disable(_eagerly, recursive=True)
+    _eagerly = torch.compiler.disable(_eagerly, recursive=True, reason=_WHY_EAGERLY)
 
 
 def _plain(x: Any) -> Any:
