@@ -251,3 +251,53 @@ def test_a_compiled_call_without_grad_of_a_leaf_that_requires_grad_warns_once_on
         *warned, value = messages
         assert value == "8.0" and len(warned) == 1, messages
         assert warned[0].startswith(f"xcoll.reduce on rank {rank}: tree['loss'] requires grad"), warned
+
+
+def _xla_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w).relu()
+
+
+def _xla_step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A step on XLA: its calls are graph breaks under openxla."""
+    y = _xla_model(x, w)
+    m = xcoll.reduce({"y": y.sum(), "n": torch.ones((), device=x.device)})
+    return (xcoll.gather(y) * m["y"]).sum() / m["n"]
+
+
+def _with_model_compiled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = _compiled_model(x, w)
+    m = xcoll.reduce({"y": y.sum(), "n": torch.ones((), device=x.device)})
+    return (xcoll.gather(y) * m["y"]).sum() / m["n"]
+
+
+_compiled_model: Any = None
+
+
+def _openxla(_: Any) -> list[bool]:
+    """The step compiled by openxla (its xcoll calls graph breaks), then
+    only its model compiled (xcoll outside it), three steps each: whether
+    each step's value is the eager step's."""
+    global _compiled_model
+    import torch._dynamo as dynamo
+    import torch_xla
+
+    dev = torch_xla.device()
+    w = torch.ones(4, 3, device=dev)
+    dynamo.reset()
+    _compiled_model = torch.compile(_xla_model, backend="openxla")
+    whole = torch.compile(_xla_step, backend="openxla")
+    same = []
+    for step in (whole, _with_model_compiled):
+        for i in range(3):
+            x = torch.arange(8.0, device=dev).reshape(2, 4) + xcoll.rank() + i
+            same.append(torch.equal(step(x, w).cpu(), _xla_step(x, w).cpu()))
+    return same
+
+
+@pytest.mark.parametrize("world", ["xla-cpu-2", "xla-cpu-4"])
+def test_openxla_on_xla_cpu_replica_threads_runs_xcolls_calls_as_graph_breaks(world):
+    # (torch_xla's openxla bridge waits for every device of the process as it
+    # compiles: on replica threads, for another replica's collective, which
+    # waited for this one, and XLA aborted the process)
+    pool = shared_pool(world)
+    assert pool.run(_openxla, [None] * pool.world_size) == [[True] * 6] * pool.world_size

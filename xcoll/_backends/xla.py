@@ -110,6 +110,7 @@ def _set_up_process(device: torch.device) -> None:
             )
     if cpu:
         torch_xla.sync = own_sync
+        xm.wait_device_ops = own_wait_device_ops
         _xlac.scalar_data_unshared()
     _set_up, _cpu_threads = True, cpu
 
@@ -129,6 +130,20 @@ def own_sync(wait: bool = False, reset_scope: bool = True) -> None:
     device's next step waits for this one's execution, before it takes
     xcoll's lock: :mod:`.xla_step`.)"""
     sync(torch_xla.device(), wait=False)
+
+
+def own_wait_device_ops(devices: list[str] | None = None) -> None:
+    """``xm.wait_device_ops`` on thread-per-device XLA:CPU replicas, from
+    xcoll's first call there on: without ``devices``, a wait for the calling
+    thread's device only (:func:`_xlac.wait_device`). torch_xla's own waits
+    for every device of the process, and so for the other replica threads'
+    collectives, which wait for this thread: torch.compile's openxla bridge
+    calls it as it compiles a graph, on one replica thread while another is
+    in an xcoll call, and XLA aborted the process."""
+    if devices:
+        torch_xla._XLAC._xla_wait_device_ops(devices=devices)
+    else:
+        _xlac.wait_device(torch_xla.device())
 
 
 class XlaTransport(Transport):
