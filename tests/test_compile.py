@@ -8,6 +8,7 @@ Calls that cannot be traced are one graph break each."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -58,7 +59,7 @@ def _step_compiled(backend: str) -> dict[str, Any]:
     import torch._dynamo as dynamo
 
     dynamo.reset()
-    out: dict[str, Any] = {"breaks": dynamo.explain(_training_step)(_batch(8), torch.ones(4)).graph_break_count}
+    out: dict[str, Any] = {"breaks": len(dynamo.explain(_training_step)(_batch(8), torch.ones(4)).break_reasons)}
     dynamo.reset()
     compiled = torch.compile(_training_step, backend=backend, fullgraph=True)
     for n in (8, 12):
@@ -146,7 +147,8 @@ def test_a_compiled_call_that_the_eager_call_refuses_raises_its_error_on_every_r
         assert error.startswith("tree['g']: dim 0 of shape (3,) has 3 elements, which the 2 replicas cannot"), error
 
 
-# (each computes before its call: Dynamo's explain counts a break after a graph)
+# (each computes before its call: Dynamo's explain counts a break after a
+# graph; its break reasons are counted, which it lists for each)
 def _scalar_leaf(x):
     return xcoll.reduce({"x": x + 1, "n": 3})["x"] * 2
 
@@ -165,8 +167,20 @@ def _synced(x):
     return y * 2
 
 
+def _ordered_dict(x):
+    # (a dict's subclass: optree keeps an OrderedDict's order, a dict's it sorts)
+    y = x + 1
+    return xcoll.reduce(collections.OrderedDict(b=y, a=x))["b"] * 2
+
+
 #: name -> a function with one call that is not traced
-UNTRACED = {"a Python scalar leaf": _scalar_leaf, "to_cpu": _to_cpu, "uneven": _uneven, "xcoll.sync": _synced}
+UNTRACED = {
+    "a Python scalar leaf": _scalar_leaf,
+    "to_cpu": _to_cpu,
+    "uneven": _uneven,
+    "xcoll.sync": _synced,
+    "an OrderedDict": _ordered_dict,
+}
 
 
 def _untraced(_: Any) -> dict[str, Any]:
@@ -176,7 +190,7 @@ def _untraced(_: Any) -> dict[str, Any]:
     out = {}
     for name, f in UNTRACED.items():
         dynamo.reset()
-        breaks = dynamo.explain(f)(x).graph_break_count
+        breaks = len(dynamo.explain(f)(x).break_reasons)
         dynamo.reset()
         try:
             torch.compile(f, backend="aot_eager", fullgraph=True)(x)

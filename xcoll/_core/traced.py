@@ -1,7 +1,8 @@
 """Calls reached while Dynamo traces (``torch.compile``): one node of the
 compiled graph, whose kernel is the eager call itself.
 
-A call is traced where its leaves are all tensors, none on XLA, with
+A call is traced where its tree is tensors in dicts, lists and tuples,
+none on XLA, with
 ``to_cpu=False``, not ``uneven`` nor ``max_size``, its arguments valid and
 its engine torch.distributed (or a world of one): :func:`call` puts it in
 the graph as the custom op ``xcoll::call`` (with ``grad=True``, whose
@@ -109,8 +110,8 @@ def asked(fn: Any, group: Any) -> int:
 
 #: What Dynamo names as the reason of a graph break around a call.
 _WHY_EAGERLY = (
-    "xcoll: this call runs eagerly, a graph break (a call of Python scalar leaves, to_cpu, "
-    "uneven or max_size, xcoll.sync, objects, RNG states, a call on XLA, or arguments the "
+    "xcoll: this call runs eagerly, a graph break (a call of Python scalar leaves, "
+    "containers other than dict, list and tuple, to_cpu, uneven or max_size, xcoll.sync, objects, RNG states, a call on XLA, or arguments the "
     "eager call refuses: docs/design.md, 'Under torch.compile')"
 )
 
@@ -148,9 +149,20 @@ def _traces(tree: Any, params: dict[str, Any], group: Any) -> bool:
     if any(isinstance(v, torch.SymInt) for v in params.values()):
         return False
     leaves = pytree.tree_leaves(tree)
-    if not leaves or not all(isinstance(t, torch.Tensor) and t.device.type != "xla" for t in leaves):
+    if not leaves or not _of_tensors(tree) or any(t.device.type == "xla" for t in leaves):
         return False
     return group is None or isinstance(group, dist.ProcessGroup)
+
+
+def _of_tensors(tree: Any) -> bool:
+    """Whether ``tree`` is tensors in dicts, lists and tuples (and None):
+    what its node's kernel rebuilds as it was (a graph's constants are
+    FX's immutable dicts and lists, which lose a dict's subclass)."""
+    if type(tree) is dict:
+        return all(_of_tensors(v) for v in tree.values())
+    if type(tree) is list or type(tree) is tuple:
+        return all(_of_tensors(v) for v in tree)
+    return tree is None or isinstance(tree, torch.Tensor)
 
 
 @_constant
@@ -247,13 +259,14 @@ def _installed() -> None:
 
 
 def _plain(x: Any) -> Any:
-    """``x`` with FX's immutable containers, into which a graph's constants
-    are made, as the dict and list the call was given."""
+    """``x`` (:func:`_of_tensors`) with FX's immutable containers, into
+    which a graph's constants are made, as the dict and list the call was
+    given."""
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
     if isinstance(x, list):
         return [_plain(v) for v in x]
-    if type(x) is tuple:
+    if isinstance(x, tuple):
         return tuple(_plain(v) for v in x)
     return x
 
