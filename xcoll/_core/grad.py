@@ -170,17 +170,12 @@ def _identity(forward: _header.Signature | None) -> _steps.Identity:
 _once = threading.local()
 
 
-def _warn_without_grad(op: _ops.Op, p: _call.Prepared) -> None:
-    """Warns, once per replica, where a leaf requires grad, autograd is on
-    and the call is made without ``grad=True``: its outputs carry no gradient
-    back, which trains silently wrong where one was meant."""
-    assert p.flat is not None
-    warn_without_grad(op.name, p.flat, p.transport, stacklevel=5)
-
-
-def warn_without_grad(name: str, flat: _tree.Flat, transport: Any, stacklevel: int) -> None:
-    """:func:`_warn_without_grad`'s warning, for call ``name`` of ``flat``
-    (also while torch.compile traces it)."""
+def warn_without_grad(name: str, flat: _tree.Flat | None, transport: Any, stacklevel: int) -> None:
+    """Warns, once per replica, where a leaf of call ``name`` requires grad,
+    autograd is on and the call is made without ``grad=True``: its outputs
+    carry no gradient back, which trains silently wrong where one was meant
+    (also where torch.compile traces the call)."""
+    assert flat is not None  # (a call without an error of its own)
     for i in flat.tensors:
         if flat.leaves[i].requires_grad:
             _once.warned = True
@@ -205,7 +200,7 @@ def call(op: _ops.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: A
     p = _call.prepare(op, tree, group, sync, to_cpu)
     if not op.grad or p.error is not None:  # (an error is raised by the call, on every replica)
         if p.error is None and "warned" not in _once.__dict__ and torch.is_grad_enabled():
-            _warn_without_grad(op, p)
+            warn_without_grad(op.name, p.flat, p.transport, stacklevel=4)
         return _call.called(op, p, sync=sync, to_cpu=to_cpu, tag=tag)[0]
     assert p.flat is not None
     treespec, tensors = p.flat.treespec, map(p.flat.leaves.__getitem__, p.flat.tensors)
