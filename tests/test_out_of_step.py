@@ -100,6 +100,24 @@ def _untagged_against_tagged(what: str):
     return "no error", ""
 
 
+def _falsy_tag(tag):
+    """Rank 0's call untagged, the others' tagged ``tag``: each replica's error."""
+    try:
+        xcoll.reduce(torch.ones(2).to(device()), tag=None if xcoll.rank() == 0 else tag)
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("tag", [0, ""])
+@pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
+def test_a_falsy_tag_is_a_tag_and_differs_from_none(world, tag):
+    # (a tag of 0 or "" read as untagged would pair with the untagged call)
+    pool = shared_pool(world)
+    for text in pool.run(_falsy_tag, [tag] * pool.world_size):
+        assert "tag: (none)" in text and f"tag: tag={tag!r}" in text, text
+
+
 @pytest.mark.parametrize("world", ["gloo-2", "xla-cpu-2"])
 def test_an_untagged_call_is_named_as_such_and_a_local_error_before_the_tags(world):
     pool = shared_pool(world)
