@@ -25,10 +25,12 @@ Point = namedtuple("Point", ["x", "y"])
         ({"s": torch.ones(2).to_sparse()}, "tree['s']", "sparse"),
     ],
 )
+@pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("fn", [xcoll.gather, xcoll.reduce, xcoll.broadcast])
-def test_unsupported_leaf_names_its_path(fn, tree, path, kind):
+def test_unsupported_leaf_names_its_path(fn, tree, path, kind, grad):
+    # (grad=True: the same error, before any autograd function is made)
     with pytest.raises(TypeError, match=re.escape(path)) as e:
-        fn(tree)
+        fn(tree, grad=grad)
     assert kind in str(e.value) or "strided" in str(e.value)
 
 
@@ -138,12 +140,13 @@ def test_scalars_need_sync():
         xcoll.gather({"x": torch.ones(1)}, sync=False, to_cpu=True)
 
 
-def _mixed_devices(_):
-    xcoll.gather({"a": torch.ones(1), "b": torch.ones(1).to(device())})
+def _mixed_devices(grad):
+    xcoll.gather({"a": torch.ones(1, requires_grad=grad), "b": torch.ones(1).to(device())}, grad=grad)
 
 
-def test_mixed_devices_name_both_paths():
-    failure = shared_pool("xla-cpu-1").run(_mixed_devices, [None], return_exceptions=True)[0]
+@pytest.mark.parametrize("grad", [False, True])
+def test_mixed_devices_name_both_paths(grad):
+    failure = shared_pool("xla-cpu-1").run(_mixed_devices, [grad], return_exceptions=True)[0]
     assert failure.type_name == "builtins.TypeError"
     assert re.search(re.escape("tree['a']") + ".*" + re.escape("tree['b']"), failure.message)
 
