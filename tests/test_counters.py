@@ -161,21 +161,26 @@ def test_a_small_call_runs_the_one_small_program_and_compiles_nothing(xla4, name
         assert again == {"executions": w, "compiles": 0, "transfers_from_device": transfers}
 
 
-def _half_max(n: int) -> float:
-    x = torch.full((n,), float(xcoll.rank()), dtype=torch.float16).to(device())
-    return float(xcoll.reduce({"h": x}, "max", to_cpu=True)["h"].max())
+def _half(args: tuple[int, str]) -> list[float]:
+    n, op = args
+    x = (torch.arange(n, dtype=torch.float16) % 8 + xcoll.rank()).to(device())  # (made on the host)
+    return xcoll.reduce({"h": x}, op, to_cpu=True)["h"].tolist()
 
 
 def test_a_half_precision_max_within_the_small_size_class_compiles_nothing(xla4):
     # 1500 float16 elements: a max keeps their width (their bits' keys, 3000
-    # bytes: a small call, in the shared small program); a sum of them would
-    # travel in float32 (6000 bytes: a program of its own)
+    # bytes: a small call, in the shared small program); a sum of them
+    # travels in float32 (6000 bytes: a program of its own), every element exact
     w = xla4.world_size
     xla4.run(_setup, [(8, 1)] * w)
-    got: list[float] = []
-    first = _delta(xla4, _half_max, 1500, got)
-    assert got == [float(w - 1)] * w
+    got: list[list[float]] = []
+    first = _delta(xla4, _half, (1500, "max"), got)
+    assert got == [[i % 8 + w - 1.0 for i in range(1500)]] * w
     assert first["compiles"] == 0 and first["executions"] == w, first
+    got = []
+    summed = _delta(xla4, _half, (1500, "sum"), got)
+    assert got == [[w * (i % 8) + w * (w - 1) / 2 for i in range(1500)]] * w
+    assert summed["compiles"] > 0, summed
 
 
 def _gather_words(n: int) -> list[float]:
