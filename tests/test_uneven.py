@@ -438,3 +438,28 @@ def test_an_uneven_gather_crosses_an_xla_setting_that_narrows_int64():
     with XlaPool(2, env={"XLA_USE_32BIT_LONG": "1"}) as pool:
         results = pool.run(_uneven_each_way, [None, None])
     assert results == [[[0.0, 0.0, 1.0]] * 2] * 2
+
+
+def _rooms_of_two_groups(_):
+    """Groups {0, 1} and {1, 2} of one size: rank 1 first gathers a large
+    shard with max_size on the first, then ranks 1 and 2 a small one on the
+    second. Each replica's gathered rows (None where it is not a member)."""
+    import torch.distributed as dist
+
+    rank = xcoll.rank()
+    first, second = dist.new_group([0, 1]), dist.new_group([1, 2])  # (every rank makes both)
+    out = [None, None]
+    if rank in (0, 1):
+        big = torch.full((3000, 4), float(rank))
+        out[0] = xcoll.gather({"x": big[: 2999 + rank]}, max_size=3000, group=first)["x"].shape[0]
+    if rank in (1, 2):
+        small = torch.full((rank, 4), float(rank))
+        out[1] = xcoll.gather({"x": small}, max_size=3000, group=second)["x"][:, 0].tolist()
+    return out
+
+
+def test_max_size_rooms_of_two_process_groups_of_one_size_are_their_own():
+    # (a room shared by the two groups: rank 1 sends the first group's room
+    # on the second, rank 2 its own, and the collective's sizes differ)
+    got = shared_pool("gloo-4").run(_rooms_of_two_groups, [None] * 4, timeout=120)
+    assert got == [[5999, None], [5999, [1.0, 2.0, 2.0]], [None, [1.0, 2.0, 2.0]], [None, None]]
