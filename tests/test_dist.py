@@ -412,6 +412,34 @@ def test_sub_group():
         assert torch.equal(o["broadcast"]["v"], torch.tensor([2.0])) and o["broadcast"]["n"] == 2
 
 
+def _one_call_on_two_group_sizes(_):
+    """The same calls on the whole world (W=4), then on a pair of it, then
+    on the world again: each one's results (the pair's members only)."""
+    pair = dist.new_group([1, 3])  # every rank must take part in creating it
+    r = dist.get_rank()
+    x = {"v": torch.tensor([float(r), 1.0])}
+    out = []
+    for group in (None, pair, None):
+        if group is None or r in (1, 3):
+            out.append([
+                xcoll.gather(x, group=group)["v"].tolist(),
+                xcoll.reduce(x, group=group)["v"].tolist(),
+                xcoll.reduce(x, "max", group=group)["v"].tolist(),
+                xcoll.broadcast(x, src=1, group=group)["v"].tolist(),
+            ])
+    return out
+
+
+def test_one_call_on_groups_of_two_sizes_is_guarded_for_each():
+    # (a guard header kept for the call's signature without the group's
+    # size would be the world's on the pair: a false mismatch)
+    world = [[0, 1, 1, 1, 2, 1, 3, 1], [6, 4], [3, 1], [1, 1]]
+    on_pair = [[1, 1, 3, 1], [4, 2], [3, 1], [3, 1]]
+    got = shared_pool("gloo-4").run(_one_call_on_two_group_sizes, [None] * 4)
+    for r, calls in enumerate(got):
+        assert calls == ([world, on_pair, world] if r in (1, 3) else [world, world]), (r, calls)
+
+
 def _outside_a_subgroup(_):
     group = dist.new_group([0, 1])  # every rank must take part in creating it
     r = dist.get_rank()
