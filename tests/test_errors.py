@@ -438,6 +438,21 @@ def test_importing_xcoll_keeps_the_callers_xla_cpu_client(tmp_path):
 
 
 @needs_xla
+@pytest.mark.parametrize("first", ["torch_xla", "xcoll"])
+def test_importing_xcoll_makes_the_xla_cpu_client_synchronous_in_either_import_order(tmp_path, first):
+    # (the usual order imports torch_xla first: no runtime runs until a device is used)
+    second = "xcoll" if first == "torch_xla" else "torch_xla"
+    code = (
+        f"import json, os, torch, {first}, {second}\n"
+        "from xcoll._backends import xla_runtime_running\n"
+        "before = xla_runtime_running()\n"
+        "(torch.ones(1, device=torch_xla.device()) + 1).cpu()  # (the runtime starts)\n"
+        "print(json.dumps([before, os.environ.get('PJRT_CPU_ASYNC_CLIENT'), xla_runtime_running()]))\n"
+    )
+    assert _python(tmp_path, code, {"PJRT_DEVICE": "CPU"}) == [False, "false", True]
+
+
+@needs_xla
 def test_importing_xcoll_after_an_xla_runtime_started_leaves_its_client_alone(tmp_path):
     code = (
         "import json, os, torch, torch_xla\n"
