@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.helpers import XLA_CPU, clean_env, needs_xla, run
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "launchers.md"
@@ -51,10 +53,12 @@ def command(name: str, replace: dict[str, str]) -> list[str]:
 
 
 @needs_xla
-def test_torch_xla_launch_on_cpu_runs_the_docs_snippet(tmp_path):
+@pytest.mark.parametrize("pool", ["16", "4"])
+def test_torch_xla_launch_on_cpu_runs_the_docs_snippet(tmp_path, pool):
+    # (a pool of exactly the 4 replicas: the docs say at least W threads)
     script = tmp_path / "script.py"
     script.write_text(snippet("xla"))
-    result = run(script, {**XLA_CPU, "XLA_THREAD_POOL_SIZE": "16"})
+    result = run(script, {**XLA_CPU, "XLA_THREAD_POOL_SIZE": pool})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preds [0.0, 1.0, 2.0, 10.0, 11.0, 12.0, 20.0, 21.0, 22.0, 30.0, 31.0, 32.0]" in (
         result.stdout
