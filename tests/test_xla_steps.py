@@ -148,6 +148,33 @@ def test_a_verdict_run_by_the_callers_sync_raises_at_the_next_call(world):
         assert "xcoll.reduce" in text and ("tree['a']" in text or "tree['b']" in text), text
 
 
+def _differing_call_then_a_call(nxt: str) -> str:
+    """A ``sync=False`` call whose tree differs on rank 0, then a blocking
+    call: a large one of a device tensor, which runs the pending work in its
+    own sync and fetches its outputs; or a small one of a scalar (on the
+    host: it leaves the pending work pending), then ``xcoll.sync()``."""
+    xcoll.reduce({"first": 1})  # (a group's first call is checked in full, before it communicates)
+    x = torch.ones(1100).to(device())
+    key = "a" if xcoll.rank() == 0 else "b"
+    xcoll.reduce({key: x}, sync=False)
+    try:
+        xcoll.reduce({"next": 1} if nxt == "small" else {"next": x * 2})
+        if nxt == "small":
+            xcoll.sync()
+    except xcoll.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("nxt", ["small", "large"])
+@pytest.mark.parametrize("world", ["xla-cpu-2", "xla-cpu-4"])
+def test_a_blocking_call_after_a_differing_call_in_flight_raises_its_verdict(world, nxt):
+    # (the later call syncs and fetches: the earlier call's verdict is read then, on every replica)
+    pool = shared_pool(world)
+    for text in pool.run(_differing_call_then_a_call, [nxt] * pool.world_size):
+        assert "xcoll.reduce" in text and "tree['a']" in text and "tree['b']" in text, text
+
+
 def _per_replica_scalars(_=None) -> list[float]:
     """Work pending before a call (above 4 KiB: in its program), traced from
     per-replica Python values that are 0 or 1 on some replica."""
