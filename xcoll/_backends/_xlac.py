@@ -70,6 +70,12 @@ def wait_device(device: torch.device) -> None:
     _binding("_xla_wait_device_ops")(devices=devices)
 
 
+def wait_devices(devices: Sequence[str]) -> None:
+    """``xm.wait_device_ops(devices)`` itself: waits for the executions
+    pending on ``devices`` (named as torch_xla names them)."""
+    _binding("_xla_wait_device_ops")(devices=list(devices))
+
+
 def user_computation(name: str, inputs: Sequence[torch.Tensor], computation: Any) -> list:
     """Applies a built XLA computation to ``inputs`` as one node of the lazy
     graph. No public API applies an ``xla_builder`` computation to tensors;

@@ -141,7 +141,7 @@ def own_wait_device_ops(devices: list[str] | None = None) -> None:
     calls it as it compiles a graph, on one replica thread while another is
     in an xcoll call, and XLA aborted the process."""
     if devices:
-        torch_xla._XLAC._xla_wait_device_ops(devices=devices)
+        _xlac.wait_devices(devices)
     else:
         _xlac.wait_device(torch_xla.device())
 
