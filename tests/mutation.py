@@ -25,7 +25,7 @@ killed mutant costs its cheapest failing test, not the replica pools' slow ones.
 
 At the end, the kill rate of each module, and each survivor's diff (``mutmut
 show NAME``); ``mutmut browse`` explores them. Survivors that no test can kill
-(equivalent mutants) are listed in docs/design.md, "Mutation testing".
+(equivalent mutants) are listed in docs/mutation.md.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ MODULES: dict[str, list[str]] = {
     "xcoll/_core/ops/all_to_all.py": ["xcoll._core.ops.all_to_all.*"],
     "xcoll/_core/grad.py": ["xcoll._core.grad.*"],
     "xcoll/_core/call.py": ["xcoll._core.call.*"],
-    # (issue 40's second part: configured, not yet run in full; docs/design.md says which ran)
+    # (issue 40's second part: configured, not yet run in full; docs/mutation.md says which ran)
     "xcoll/_core/recipe.py": ["xcoll._core.recipe.*"],
     "xcoll/_core/execute.py": ["xcoll._core.execute.*"],
     "xcoll/_core/pending.py": ["xcoll._core.pending.*"],

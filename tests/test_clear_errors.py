@@ -325,3 +325,40 @@ def test_the_fix_is_named_for_a_gathers_sizes_along_its_dim_only():
     assert _check._fix(
         ["call xcoll.gather", "tag: (none)", f"parameters: {plain}"], f"tree['x']: {a}", f"tree['y']: {b}"
     ) == ""
+
+
+GRAD_TO_CPU = {
+    "gather": lambda t: xcoll.gather(t, grad=True, to_cpu=True),
+    "gather stack": lambda t: xcoll.gather(t, stack=True, grad=True, to_cpu=True),
+    "gather uneven": lambda t: xcoll.gather(t, uneven=True, grad=True, to_cpu=True),
+    "gather uneven max_size": lambda t: xcoll.gather(
+        t, uneven=True, max_size=4, grad=True, to_cpu=True
+    ),
+    "reduce": lambda t: xcoll.reduce(t, grad=True, to_cpu=True),
+    "broadcast": lambda t: xcoll.broadcast(t, grad=True, to_cpu=True),
+    "reduce_scatter": lambda t: xcoll.reduce_scatter(t, grad=True, to_cpu=True),
+    "all_to_all": lambda t: xcoll.all_to_all(t, grad=True, to_cpu=True),
+}
+GRAD_NEEDS_DEVICE = "grad=True needs to_cpu=False: gradients flow back to the leaves' device"
+
+
+@pytest.mark.parametrize("call", sorted(GRAD_TO_CPU))
+def test_grad_refuses_to_cpu_for_every_op(call):
+    # (before: an uneven gather skipped the check every other op made, and
+    # returned host tensors that no gradient could flow back from)
+    x = {"x": torch.ones(4, requires_grad=True)}
+    with pytest.raises(ValueError, match="^" + re.escape(GRAD_NEEDS_DEVICE) + "$"):
+        GRAD_TO_CPU[call](x)
+
+
+def _uneven_grad_to_cpu(_):
+    x = torch.ones(2 + xcoll.rank(), requires_grad=True)
+    return xcoll.gather({"x": x}, uneven=True, grad=True, to_cpu=True)
+
+
+def test_grad_refuses_to_cpu_on_every_replica_of_an_uneven_gather():
+    pool = shared_pool("gloo-2")
+    failures = pool.run(_uneven_grad_to_cpu, [None, None], return_exceptions=True)
+    assert [f.type_name for f in failures] == ["builtins.ValueError"] * 2, failures
+    assert all(f.message == GRAD_NEEDS_DEVICE for f in failures), failures
+    assert pool.run(_ok, [None, None]) == [[0, 1]] * 2

@@ -24,8 +24,15 @@ from xcoll._encode import wire as _wire
 from xcoll._guard import header as _header
 
 _REDUCED = sorted(_tree.SUPPORTED_DTYPES, key=str)  # every dtype a reduce takes
-#: Each collective's rules, which build its header (:class:`xcoll._core.ops.Packed`).
+#: How each collective carries its header (:attr:`xcoll._core.ops.Packed.carries`).
 _OP = {"gather": _ops.Gather(), "reduce": _ops.Reduce(), "broadcast": _ops.Broadcast()}
+
+
+def _guard(kind: str, dtype: torch.dtype, how: str, world: int) -> _header.Guard:
+    """The guard of collective ``kind`` whose header is combined by ``how``."""
+    return _header.guard(_OP[kind].carries, dtype, how, how == "sum", world, True)
+
+
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
 
 
@@ -39,7 +46,9 @@ def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> l
     most replicas share one.)"""
     w = len(prints)
     distinct = list(dict.fromkeys(prints))
-    headers = {p: _header._build(p, dtype, _OP[kind], how, w) for p in distinct}
+    g = _guard(kind, dtype, how, w)
+    assert (g.dtype, g.how) == (dtype, how)
+    headers = {p: _header._build(p, g) for p in distinct}
     if kind == "reduce":
         encoded = {
             p: _wire.encode_reduce(h.part.clone(), how, TORCH.bitcast) for p, h in headers.items()
@@ -159,8 +168,8 @@ def test_a_sum_header_uses_the_most_bits_that_stay_exact():
             k = _header._width(dtype, "sum", world)
             assert k == 1 or world * (2**k - 1) ** 2 <= exact, (dtype, world, k)
             assert world * (2 ** (k + 1) - 1) ** 2 > exact, (dtype, world, k)
-    assert _OP["gather"].header_size(torch.int32, "", 4) == 2
-    assert _OP["broadcast"].header_size(torch.int32, "", 4) == 2
+    assert _guard("gather", torch.int32, "", 4).size == 2
+    assert _guard("broadcast", torch.int32, "", 4).size == 2
 
 
 def _sent(_):

@@ -269,3 +269,65 @@ def test_the_mutation_pass_names_modules_and_test_files_that_exist():
     assert [m for m in MODULES if not (top / m).is_file()] == []
     selection = config["pytest_add_cli_args_test_selection"]
     assert [f for f in OWNERS if f not in selection or not (top / f).is_file()] == []
+
+
+def _table_rows() -> list[str]:
+    """The first cells of docs/design.md's table of modules, in order."""
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    table = text[text.index("| module | holds |") :].split("\n\n", 1)[0]
+    return [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
+
+
+def _named_by(row: str) -> str:
+    """The module a first cell names, or the folder (``xcoll._core.ops/``)."""
+    name = row.removesuffix(".py").removesuffix("/__init__").rstrip("/").replace("/", ".")
+    return name + "/" if row.endswith("/") else name
+
+
+def test_the_design_docs_table_of_modules_names_every_private_module_bottom_up():
+    # (before: the core listed before the guard, the encodings and the
+    # engines it imports, and two modules of the engines missing)
+    rows = [_named_by(r) for r in _table_rows()]
+    place = {name: i for i, name in enumerate(rows)}
+    order = []
+    for folder in FOLDERS:
+        order.append(folder + "/")
+        for layer in LAYERS[folder]:
+            for m in layer:
+                # (a package and the modules of a subfolder are named by its folder's row)
+                named = [p for p in (m, m + "/", m.rpartition(".")[0] + "/") if p in place]
+                assert named, f"{m} is in no row of docs/design.md's table"
+                order.append(named[0])
+    seen = [place[name] for name in order]
+    assert seen == sorted(seen), [rows[i] for i in seen]
+
+
+def _defined(path: pathlib.Path) -> set[str]:
+    """The names a module defines: its classes, functions, arguments, and
+    the names and attributes it assigns."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return names
+
+
+def test_the_glossary_names_an_identifier_that_its_file_defines():
+    # (one name per idea: a term whose identifier is renamed or moved fails here)
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    table = text[text.index("| term | meaning |") :].split("\n\n", 1)[0].splitlines()[2:]
+    rows = [[c.strip().strip("`") for c in line.split("|")[1:-1]] for line in table]
+    assert len(rows) >= 20, rows
+    missing = [
+        (term, ident, file)
+        for term, _, ident, file in rows
+        if not (ROOT.parent / file).is_file() or ident not in _defined(ROOT.parent / file)
+    ]
+    assert not missing, missing
+    assert len({r[0] for r in rows}) == len(rows), "a term appears twice"

@@ -22,7 +22,7 @@ import functools
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -177,6 +177,22 @@ class Kernels:
 TORCH = Kernels()
 
 
+class Deferred(Protocol):
+    """The guard's verdict of a ``sync=False`` call on a lazy engine, which
+    the engine holds until a sync has run the call (:meth:`Transport.defer`):
+    all that the engine reads of it (:class:`xcoll._guard.verdict.Deferred`)."""
+
+    @property
+    def header(self) -> torch.Tensor:
+        """The header's piece of the call's result, on the device."""
+
+    def read(self) -> None:
+        """Called once a sync has run the call, before any verdict is checked."""
+
+    def check(self, header: torch.Tensor) -> None:
+        """Raises where ``header`` (:attr:`header`, fetched) disagrees."""
+
+
 class Transport(ABC):
     """One replica's view of a collectives engine, for one call.
 
@@ -276,9 +292,8 @@ class Transport(ABC):
     def sync(self) -> None:
         """Runs everything traced so far (no-op for eager engines)."""
 
-    def defer(self, verdict: Any) -> None:
-        """Has :meth:`settle` read ``verdict`` (an
-        :class:`~xcoll._core.execute.Verdict`: the guard of a ``sync=False``
+    def defer(self, verdict: Deferred) -> None:
+        """Has :meth:`settle` read ``verdict`` (the guard of a ``sync=False``
         call) once a sync has run it (lazy engines)."""
         raise NotImplementedError(f"{type(self).__name__} runs no graph: nothing waits for a sync")
 

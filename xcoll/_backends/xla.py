@@ -41,7 +41,7 @@ import torch_xla.runtime as xr
 from .._base import tree as _tree
 from . import _xlac
 from ._launch import launch_hint
-from .base import Transport
+from .base import Deferred, Transport
 from .xla_kernels import Keep, XlaKernels
 from .xla_step import step, sync
 
@@ -284,7 +284,7 @@ class XlaTransport(Transport):
             _xlac.run_step_closures()
         return self.to_host(tensors)
 
-    def defer(self, verdict) -> None:
+    def defer(self, verdict: Deferred) -> None:
         with _DEFERRED_LOCK:
             _deferred.setdefault(self._key, []).append(verdict)
 
@@ -328,11 +328,11 @@ class XlaTransport(Transport):
 
 # Deferred verdicts by device (XlaTransport.defer): a backward's call defers
 # from autograd's thread, the replica's own thread settles.
-_deferred: dict[str, list] = {}
+_deferred: dict[str, list[Deferred]] = {}
 _DEFERRED_LOCK = threading.Lock()
 
 
-def _ready(device: str) -> list:
+def _ready(device: str) -> list[Deferred]:
     """The deferred verdicts of ``device`` whose header is data (a sync has
     run their call), in the order of their calls, taken from the list."""
     with _DEFERRED_LOCK:

@@ -21,14 +21,14 @@ from .._guard import entry as _entry
 from .._guard import header as _header
 from .._guard import verdict as _verdict
 from . import execute as _execute
-from .ops import Op, Packed
+from .ops import Op, Packed, validate
 from .recipe import Plan
 
 _plans: _memo.Memo[Plan] = _memo.Memo()
 
 
 def _prepare(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> Plan:
-    op.validate(flat, transport, sync, to_cpu)
+    validate(op, flat, transport, sync, to_cpu)
     w = transport.world
     return _plans.get(op.key(flat, w), op.plan, flat, w)
 

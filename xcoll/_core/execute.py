@@ -25,9 +25,7 @@ returned, not raised, so that a caller whose protocol goes on can go on.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
@@ -43,7 +41,6 @@ from .._guard import entry as _entry
 from .._guard import header as _header
 from .._guard import order as _order
 from .._guard import verdict as _verdict
-from .._guard import watchdog as _watchdog
 from . import pending as _pending
 from .recipe import Recipe
 
@@ -149,7 +146,7 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     mine = None
     if r.guard is not None:
         assert signature is not None
-        mine = signature.header(r.guard.dtype, r.op, r.guard.how, r.world, transport)
+        mine = signature.header(r.guard, transport)
     # (each stage's buffers are dropped once used: on XLA whatever is still
     # referenced at the sync becomes a graph output of its own)
     wires = _wires(r, flat, transport, mine)
@@ -158,7 +155,8 @@ def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to
     results, read = _start(r, transport, wires, signature, mine)
     del wires
     results = _complete(r, transport, results, read, signature, mine)
-    late = _arrived(r, transport, results[0]) if r.guard and r.guard.when == "last" else None
+    g = r.guard  # (a one-sided verdict's header is read after every collective)
+    late = _verdict.arrived(g, transport, results[0]) if g and g.when == "last" else None
     out = _outputs(r, flat, transport, signature, mine, results, sync, to_cpu)
     return out, late is None or (mine is not None and late == mine.wire)
 
@@ -185,9 +183,9 @@ def _outputs(r: Recipe, flat, transport: Transport, signature, mine, results, sy
         blocks, header = _materialise(transport, blocks, header)
     if header is not None and mine is not None:  # (None: the outputs' metadata, :func:`_meta_outputs`)
         if sync:
-            _check(transport, signature, _header.as_bytes(header), mine.decoded)
+            _verdict.check(transport, signature, _header.as_bytes(header), mine.decoded)
         else:  # (a lazy call's results exist only after the caller's sync)
-            transport.defer(Verdict.deferred(transport, signature, header, mine.decoded))
+            transport.defer(_verdict.Deferred.of(transport, signature, header, mine.decoded))
     for scalars, block, ints in zip(r.scalars, blocks, r.ints, strict=True):
         if ints:  # (Python ints read back exactly, as Python ints)
             _exact_ints(flat, scalars, block.tolist(), ints, out)
@@ -263,14 +261,14 @@ def _complete(r: Recipe, transport: Transport, results, read: bool, signature, m
 
 
 def _first(r: Recipe, transport: Transport, result, signature, mine) -> torch.Tensor:
-    """The first collective's ``result``, arrived, its header checked (as
-    :func:`_check`), a small one's padding cut (a gather's rows stay padded:
-    its segments are cut from each row by offset)."""
+    """The first collective's ``result``, arrived, its header checked
+    (:func:`xcoll._guard.verdict.check`), a small one's padding cut (a
+    gather's rows stay padded: its segments are cut from each row by offset)."""
     n, size = r.first
     if size and r.rows == 1:
         result = result[:n]
-    if _arrived(r, transport, result) != mine.wire:
-        _verdict.fire(transport, signature)
+    assert r.guard is not None  # (read early: a guarded call's)
+    _verdict.check(transport, signature, _verdict.arrived(r.guard, transport, result), mine.wire)
     return result
 
 
@@ -279,20 +277,6 @@ def _padded(wire: torch.Tensor, segments: int, size: int) -> torch.Tensor:
     out = wire.new_zeros(segments, size)
     out[:, : wire.numel() // segments] = wire.view(segments, -1)
     return out.view(-1)
-
-
-def _arrived(r: Recipe, transport: Transport, result: torch.Tensor) -> bytes:
-    """The header part of the first collective's result (eager engines),
-    downloaded alone."""
-    n = r.guard.size if r.guard else 0
-    first = result[:n] if r.rows == 1 else result.view(r.rows, -1)[:, :n]
-    return _header.as_bytes(transport.to_host([first])[0])
-
-
-def _check(transport: Transport, signature, got: bytes, expected: bytes) -> None:
-    """The verdict: the same result on every replica, so the same verdict."""
-    if got != expected:
-        _verdict.fire(transport, signature)
 
 
 def _place(r: Recipe, pieces, out: list[Any]) -> list[torch.Tensor]:
@@ -332,55 +316,6 @@ def _materialise(transport: Transport, blocks: Sequence[torch.Tensor], header):
     elif transport.lazy:  # (an eager engine's sync does nothing)
         transport.sync()
     return (fetch[:-1], fetch[-1]) if header is not None else (fetch, None)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The verdict of a call made with ``sync=False`` on a lazy engine, read
-    once a sync has run the call (:meth:`Transport.settle`, at the device's
-    next xcoll call or sync): ``header`` is then data, and reading it is a
-    transfer, not an execution. A verdict that disagrees raises there, on
-    every replica."""
-
-    transport: Transport
-    signature: _header.Signature
-    #: The header's piece of the call's result, on the device.
-    header: torch.Tensor
-    expected: bytes
-    #: Where the replicas are threads, the watchdog's hint until it is read.
-    watch: _watchdog.watch | None
-
-    @classmethod
-    def deferred(cls, transport: Transport, signature, header, expected: bytes) -> Verdict:
-        """A new verdict, watched where the replicas are threads: a replica
-        that reads an output before any sync has run the call (``.item()``,
-        ``.cpu()``, ``print``) runs its graph alone, compiled apart from the
-        other replicas', and XLA aborts the process; the hint comes first."""
-        watch = None
-        if transport.replica_threads:
-            rank = transport.rank_name(transport.rank())
-            watch = _watchdog.watch(functools.partial(_unread, signature.name, rank))
-        return cls(transport, signature, header, expected, watch)
-
-    def read(self) -> None:
-        """Ends the watch: a sync has run the call."""
-        if self.watch is not None:
-            self.watch.__exit__()
-
-    def check(self, header: torch.Tensor) -> None:
-        """Raises where ``header`` (:attr:`header`, fetched) is not :attr:`expected`."""
-        _check(self.transport, self.signature, _header.as_bytes(header), self.expected)
-
-
-def _unread(name: str, rank: str, seconds: float) -> str:
-    return (
-        f"xcoll: {name} on {rank}, made with sync=False {seconds:.0f} s ago, has not been "
-        "run by a sync yet (xcoll.sync(), torch_xla.sync(), or a later xcoll call). If this "
-        "replica waits in an .item(), .cpu() or print of a tensor computed from its "
-        "outputs: on XLA:CPU replica threads, that graph is compiled once per replica, "
-        "their collectives never meet, and XLA aborts the process; call xcoll.sync() "
-        "before reading the outputs (docs/launchers.md)."
-    )
 
 
 class InFlight(_order.Call):
@@ -431,7 +366,8 @@ class InFlight(_order.Call):
         r, t, mine, signature = self.r, self.transport, self.mine, self.signature
         results = _complete(r, t, self.results, self.read, signature, mine)
         self.results = []
-        late = _arrived(r, t, results[0]) if r.guard and r.guard.when == "last" else None
+        g = r.guard
+        late = _verdict.arrived(g, t, results[0]) if g and g.when == "last" else None
         out = _outputs(r, self.flat, t, signature, mine, results, True, False)
         self.flat = None
         if late is not None and late != mine.wire:

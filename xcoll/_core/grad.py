@@ -31,7 +31,7 @@ every replica traces one program.
 
 On a lazy engine the backward runs with ``sync=False``: its collective joins
 the backward's graph, and its guard is read after the caller's sync
-(:class:`xcoll._core.execute.Verdict`). With ``create_graph=True`` the
+(:class:`xcoll._guard.verdict.Deferred`). With ``create_graph=True`` the
 backward is itself differentiable (its op runs with ``grad=True``), so
 higher derivatives flow too.
 """

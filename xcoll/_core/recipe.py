@@ -4,7 +4,7 @@ the :class:`Recipe` that :mod:`xcoll._core.execute` runs straight through.
 A plan depends on the op's parameters, the world size and the tree's
 signature (:attr:`xcoll._base.tree.Flat.key`); a recipe adds what the engine and
 the mode decide: the guard header (its dtype, how the collective combines it,
-its size and when its verdict is read), which buckets travel, joined or alone,
+its size and when its verdict is read: :class:`xcoll._guard.header.Guard`), which buckets travel, joined or alone,
 and every shape, cast and mean range the executor needs. Both are frozen and
 cached (a plan in ``_call``'s cache, its recipes on the plan), so a repeated
 call reads them straight through.
@@ -50,22 +50,7 @@ class Plan:
     recipes: dict = field(default_factory=dict, compare=False, repr=False)
 
 
-@dataclass(frozen=True)
-class Guard:
-    """A call's guard header (:mod:`xcoll._guard.header`)."""
-
-    dtype: torch.dtype
-    #: How the collective combines it (:func:`xcoll._guard.header.own_size`).
-    how: str
-    size: int
-    #: When the verdict is read: "first" (eager engines: the first
-    #: collective's header, downloaded before the others start), "last" (a
-    #: receiver of a one-sided broadcast: after every collective, as src
-    #: makes them), "outputs" (lazy engines: fetched with the outputs).
-    when: str
-
-
-class Collective(_header.Rules, Protocol):
+class Collective(Protocol):
     """What :func:`build` and :mod:`xcoll._core.execute` read of a collective
     (:class:`xcoll._core.ops.Packed`: its rules, one method each)."""
 
@@ -73,8 +58,6 @@ class Collective(_header.Rules, Protocol):
     src: int
     joins: bool
     scatters: bool
-
-    def one_sided(self, how: str) -> bool: ...
 
     def rows(self, world: int) -> int: ...
 
@@ -124,7 +107,7 @@ class Recipe:
     #: nothing to join); positions of the buckets that travel as themselves.
     joined: _pack.Joined | None
     alone: tuple[int, ...]
-    guard: Guard | None
+    guard: _header.Guard | None
     #: The tensor leaves without elements: (leaf, shape, dtype); nothing to send.
     empties: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
     #: Gather: leaf -> the dim its replica axis moves to.
@@ -139,13 +122,13 @@ class Recipe:
     #: collective is an identity, so each output is its leaf's own copy
     #: (:func:`xcoll._core.execute.execute`).
     identity: bool = False
-    #: Of an eager engine's guarded call (:attr:`Guard.when` "first"): the
+    #: Of an eager engine's guarded call (:attr:`~xcoll._guard.header.Guard.when` "first"): the
     #: elements of its first collective's buffer, and of the size class it is
     #: sent in (:data:`xcoll._encode.pack.SMALL` bytes; 0: larger, sent as it
     #: is), per segment.
     first: tuple[int, int] = (0, 0)
     #: Whether the verdict is read as the first collective arrives, before
-    #: the others start (an eager engine's guarded call: :attr:`Guard.when`
+    #: the others start (an eager engine's guarded call: :attr:`~xcoll._guard.header.Guard.when`
     #: "first").
     early: bool = False
     #: A lazy engine's call whose buffers, header included, fit in
@@ -171,18 +154,11 @@ def _nbytes(joined: _pack.Joined | None, buckets, ops, part_shapes) -> int:
     )
 
 
-def guard(op: Collective, dtype: torch.dtype, how: str, world: int, lazy: bool) -> Guard:
-    """The :class:`Guard` of collective ``op`` whose header is of ``dtype``,
-    combined by ``how``."""
-    when = "outputs" if lazy else "last" if op.one_sided(how) else "first"
-    return Guard(dtype, how, op.header_size(dtype, how, world), when)
-
-
 def build(
     plan: Plan,
     op: Collective,
     world: int,
-    g: Guard | None,
+    g: _header.Guard | None,
     alone: int,
     identity: bool,
     lazy: bool,
@@ -267,7 +243,7 @@ def _apart(b: list[_pack.Bucket], live: list[int], alone: int) -> tuple[int, ...
 
 
 def _joined(
-    b: list[_pack.Bucket], live: list[int], apart: tuple[int, ...], g: Guard | None
+    b: list[_pack.Bucket], live: list[int], apart: tuple[int, ...], g: _header.Guard | None
 ) -> _pack.Joined | None:
     rest = [j for j in range(len(live)) if j not in apart]
     if not rest and not g:

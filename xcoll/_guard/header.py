@@ -52,13 +52,13 @@ import dataclasses
 import functools
 import struct
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from .._backends.base import Transport
+from .._backends.base import TORCH, Transport
 from .._base import memo as _memo
 from .._base import tree as _tree
+from .._encode import wire as _wire
 from . import check as _check
 from . import exchange as _exchange
 
@@ -87,31 +87,63 @@ class Signature:
         # (a tag changes from call to call: its fingerprint is not kept)
         return _exchange.sha256(base.hex() + "\n" + self.tag) if self.tag else base
 
-    def header(
-        self, dtype: torch.dtype, op: Rules, how: str, world: int, transport: Transport
-    ) -> Header:
-        """The call's :class:`Header` for collective ``op``, its part on
+    def header(self, g: Guard, transport: Transport) -> Header:
+        """The call's :class:`Header` under guard ``g``, its part on
         ``transport``'s device (uploaded as data, so that replicas with
         different headers trace the same program); kept per signature and
         device, unless tagged."""
         if self.tag:  # (a tagged call's fingerprint is a digest made per call)
-            return _on(transport, _build(self.fingerprint(), dtype, op, how, world))
-        d = self.description.digest
-        key = (self.name, self.head, d, dtype, op.__class__, how, world, transport.device)
+            return _on(transport, _build(self.fingerprint(), g))
+        key = (self.name, self.head, self.description.digest, g, transport.device)
         return _headers.hit(key) or _headers.get(
-            key, lambda: _on(transport, _build(self.fingerprint(), dtype, op, how, world))
+            key, lambda: _on(transport, _build(self.fingerprint(), g))
         )
 
 
-class Rules(Protocol):
-    """What the guard reads of a collective (:class:`xcoll._core.ops.Packed`):
-    its header's size and value under the collective's arithmetic."""
+#: How a collective carries the header, one value per collective
+#: (:attr:`xcoll._core.ops.Packed.carries`): "gathered", every replica's
+#: int32 words, in rank order (a gather, an all-to-all); "broadcast",
+#: ``src``'s int32 words, or their sum over every replica where the engine
+#: sums a broadcast's header; "reduced", at the front of bucket 0, in its
+#: dtype, combined by its all-reduce op (a reduce, a reduce-scatter).
+CARRIES = ("gathered", "broadcast", "reduced")
 
-    def header_size(self, dtype: torch.dtype, how: str, world: int) -> int: ...
 
-    def header_parts(
-        self, values: list[int], dtype: torch.dtype, how: str, world: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@dataclass(frozen=True)
+class Guard:
+    """A call's guard header, as its recipe lays it out: what the executor
+    sends and reads (:mod:`xcoll._guard.verdict` reads it)."""
+
+    #: How the collective carries it (:data:`CARRIES`).
+    carries: str
+    dtype: torch.dtype
+    #: How the collective combines it (:func:`own_size`): the all-reduce's
+    #: op, "sum" for a broadcast that sums, "" where its bytes arrive as sent.
+    how: str
+    size: int
+    #: When the verdict is read: "first" (eager engines: the first
+    #: collective's header, downloaded before the others start), "last" (a
+    #: receiver of a one-sided broadcast: after every collective, as src
+    #: makes them), "outputs" (lazy engines: fetched with the outputs).
+    when: str
+    world: int
+    #: The rows of the first collective's result (W for a gathered header).
+    rows: int
+
+
+def guard(carries: str, dtype: torch.dtype, op: str, sums: bool, world: int, lazy: bool) -> Guard:
+    """The :class:`Guard` of a collective that carries its header as
+    ``carries`` says, at ``world`` replicas, on a ``lazy`` engine or an eager
+    one; ``dtype`` and ``op``: its bucket 0's dtype and all-reduce op (a
+    "reduced" header's); ``sums``: whether the engine's broadcast sums its header."""
+    if carries == "reduced":
+        how, size = op, alike_size(dtype, op, world)
+    else:
+        how = "sum" if carries == "broadcast" and sums else ""
+        dtype, size = torch.int32, own_size(torch.int32, how, world)
+    one_sided = carries == "broadcast" and not how  # (only the receivers learn it)
+    when = "outputs" if lazy else "last" if one_sided else "first"
+    return Guard(carries, dtype, how, size, when, world, world if carries == "gathered" else 1)
 
 
 _fingerprints: _memo.Memo[bytes] = _memo.Memo()
@@ -190,14 +222,30 @@ class Header:
 _headers: _memo.Memo[Header] = _memo.Memo(locked=True)
 
 
-def _build(fingerprint: bytes, dtype: torch.dtype, op: Rules, how: str, world: int) -> Header:
-    """The :class:`Header` of collective ``op``, combined by ``how`` (the
-    all-reduce's op, "sum" for a broadcast that sums, "" for a move whose
-    bytes arrive as sent), as the module's docstring says (on the host)."""
-    values = _values(fingerprint, dtype, how, world)
-    values += [0] * (op.header_size(dtype, how, world) - len(values))  # (0 under every op)
-    part, wire, decoded = op.header_parts(values, dtype, how, world)
+def _build(fingerprint: bytes, g: Guard) -> Header:
+    """The :class:`Header` of ``fingerprint`` under guard ``g``, as the
+    module's docstring says (on the host)."""
+    values = _values(fingerprint, g.dtype, g.how, g.world)
+    values += [0] * (g.size - len(values))  # (0 under every op)
+    part, wire, decoded = _parts(values, g)
     return Header(part, as_bytes(wire), as_bytes(decoded))
+
+
+def _parts(values: list[int], g: Guard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The header's part (what this replica sends), and the collective's
+    result where the header lies when every replica sends the same part,
+    in wire form and decoded (a move's: its int32 wire words)."""
+    part = torch.tensor(values, dtype=g.dtype)
+    if g.carries == "reduced":
+        wire = _wire.encode_reduce(part.clone(), g.how, TORCH.bitcast)
+        if g.how == "sum":
+            wire = wire * g.world
+        return part, wire, _wire.decode_reduce(wire.clone(), g.dtype, g.how, TORCH.bitcast)
+    if g.carries == "gathered":
+        wire = part.expand(g.world, -1)  # (every replica's, in rank order)
+    else:
+        wire = part * g.world if g.how == "sum" else part
+    return part, wire, wire
 
 
 def _on(transport: Transport, h: Header) -> Header:

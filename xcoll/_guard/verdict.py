@@ -1,14 +1,36 @@
-"""What a replica says when the guard's header disagrees (:func:`fire`: the
-same error on every replica, naming the first difference), and what the
-watchdog says when a call waits (:func:`diagnosis`, :func:`causes`)."""
+"""The guard's verdict: what arrived read (:func:`arrived`) and checked
+(:func:`check`), at once or, for a ``sync=False`` call on a lazy engine,
+once a sync has run it (:class:`Deferred`); what a replica says when the
+header disagrees (:func:`fire`: the same error on every replica, naming the
+first difference); and what the watchdog says when a call waits
+(:func:`diagnosis`, :func:`causes`)."""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import NoReturn
+
+import torch
 
 from .._backends.base import Transport
 from . import check as _check
-from .header import Signature
+from . import watchdog as _watchdog
+from .header import Guard, Signature, as_bytes
+
+
+def arrived(g: Guard, transport: Transport, result: torch.Tensor) -> bytes:
+    """The header part of a collective's ``result`` under guard ``g``
+    (eager engines), downloaded alone."""
+    first = result[: g.size] if g.rows == 1 else result.view(g.rows, -1)[:, : g.size]
+    return as_bytes(transport.to_host([first])[0])
+
+
+def check(transport: Transport, signature: Signature | None, got: bytes, expected: bytes) -> None:
+    """The verdict: the header that arrived is the same on every replica, so
+    is the verdict; raises (:func:`fire`) where it is not ``expected``."""
+    if got != expected:
+        fire(transport, signature)
 
 
 def fire(
@@ -101,4 +123,55 @@ def causes(lazy: bool) -> str:
     return (
         f"Causes that fit this wait: {listed}. The engine then times out, or XLA aborts the "
         "process."
+    )
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """The verdict of a call made with ``sync=False`` on a lazy engine, read
+    once a sync has run the call (:meth:`Transport.settle`, at the device's
+    next xcoll call or sync): ``header`` is then data, and reading it is a
+    transfer, not an execution. A verdict that disagrees raises there, on
+    every replica."""
+
+    transport: Transport
+    signature: Signature
+    #: The header's piece of the call's result, on the device.
+    header: torch.Tensor
+    expected: bytes
+    #: Where the replicas are threads, the watchdog's hint until it is read.
+    watch: _watchdog.watch | None
+
+    @classmethod
+    def of(
+        cls, transport: Transport, signature: Signature, header: torch.Tensor, expected: bytes
+    ) -> Deferred:
+        """A new verdict, watched where the replicas are threads: a replica
+        that reads an output before any sync has run the call (``.item()``,
+        ``.cpu()``, ``print``) runs its graph alone, compiled apart from the
+        other replicas', and XLA aborts the process; the hint comes first."""
+        watch = None
+        if transport.replica_threads:
+            rank = transport.rank_name(transport.rank())
+            watch = _watchdog.watch(functools.partial(_unread, signature.name, rank))
+        return cls(transport, signature, header, expected, watch)
+
+    def read(self) -> None:
+        """Ends the watch: a sync has run the call."""
+        if self.watch is not None:
+            self.watch.__exit__()
+
+    def check(self, header: torch.Tensor) -> None:
+        """Raises where ``header`` (:attr:`header`, fetched) is not :attr:`expected`."""
+        check(self.transport, self.signature, as_bytes(header), self.expected)
+
+
+def _unread(name: str, rank: str, seconds: float) -> str:
+    return (
+        f"xcoll: {name} on {rank}, made with sync=False {seconds:.0f} s ago, has not been "
+        "run by a sync yet (xcoll.sync(), torch_xla.sync(), or a later xcoll call). If this "
+        "replica waits in an .item(), .cpu() or print of a tensor computed from its "
+        "outputs: on XLA:CPU replica threads, that graph is compiled once per replica, "
+        "their collectives never meet, and XLA aborts the process; call xcoll.sync() "
+        "before reading the outputs (docs/launchers.md)."
     )

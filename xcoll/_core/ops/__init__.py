@@ -2,11 +2,12 @@
 :class:`Broadcast`, :class:`ReduceScatter`, :class:`AllToAll` (and
 :class:`xcoll._core.uneven.UnevenGather`). Each holds everything that differs
 between collectives: its parameters, how it is described, validated and
-planned (:class:`xcoll._core.recipe.Plan`); its guard header's dtype, size
-and value under the collective's arithmetic; how its wires are made, sent,
+planned (:class:`xcoll._core.recipe.Plan`); how its collective carries the
+guard's header (:attr:`Packed.carries`: all that the guard,
+:mod:`xcoll._guard.header`, reads of it); how its wires are made, sent,
 cut and decoded; how a Python scalar comes back; and its backward rule
-(:meth:`Op.backward`, :meth:`Op.take`). The executor (:mod:`xcoll._core.execute`) and the guard
-(:mod:`xcoll._guard.header`) read these and never ask which collective it is.
+(:meth:`Op.backward`, :meth:`Op.take`). The executor (:mod:`xcoll._core.execute`)
+reads these and never asks which collective it is.
 Adding a collective is one new op and its public function.
 
 A move (:class:`Move`: gather, broadcast) joins every bucket's bytes into
@@ -22,7 +23,7 @@ reduce-scatter), :mod:`~xcoll._core.ops.all_to_all`,
 """
 
 from .all_to_all import AllToAll
-from .base import Move, Op, Packed, Tuning, tuned
+from .base import Move, Op, Packed, Tuning, tuned, validate
 from .broadcast import Broadcast
 from .gather import Gather, ReduceScatter, gather_params
 from .reduce import OPS, Reduce, merged, summed
@@ -42,4 +43,5 @@ __all__ = [
     "merged",
     "summed",
     "tuned",
+    "validate",
 ]

@@ -93,6 +93,24 @@ def leaf_shape(flat: _tree.Flat):
     return lambda i: tuple(flat.leaves[i].shape)
 
 
+def validate(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> None:
+    """Checks of a call's arguments that are not cached with its plan: the
+    op's own (:meth:`Op.validate`), then those every op shares, so that no
+    op can skip them."""
+    op.validate(flat, transport, sync, to_cpu)
+    if op.grad and to_cpu:
+        raise ValueError("grad=True needs to_cpu=False: gradients flow back to the leaves' device")
+    if sync:
+        return
+    if to_cpu:
+        raise ValueError("to_cpu=True needs sync=True: host values exist only after execution")
+    if flat.scalars:
+        raise ValueError(
+            f"{flat.path(flat.scalars[0])}: a Python scalar leaf needs sync=True (its value is "
+            "known only after execution); pass a tensor to trace it into the pending graph"
+        )
+
+
 class Op(ABC):
     """A collective call: how it is described, validated, planned, run and
     differentiated."""
@@ -113,20 +131,8 @@ class Op(ABC):
         return f"to_cpu={to_cpu} sync={sync}" + (" grad=True" if self.grad else "")
 
     def validate(self, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> None:
-        """Checks of the call's arguments that are not cached with the plan."""
-        if self.grad and to_cpu:
-            raise ValueError(
-                "grad=True needs to_cpu=False: gradients flow back to the leaves' device"
-            )
-        if sync:
-            return
-        if to_cpu:
-            raise ValueError("to_cpu=True needs sync=True: host values exist only after execution")
-        if flat.scalars:
-            raise ValueError(
-                f"{flat.path(flat.scalars[0])}: a Python scalar leaf needs sync=True (its value is "
-                "known only after execution); pass a tensor to trace it into the pending graph"
-            )
+        """The op's own checks of the call's arguments that are not cached
+        with the plan (:func:`validate` makes those every op shares, after)."""
 
     @abstractmethod
     def key(self, flat: _tree.Flat, world: int) -> Hashable:
@@ -200,33 +206,9 @@ class Packed(Op):
     #: :mod:`xcoll._core.ops.all_to_all`), and no bucket
     #: travels alone.
     scatters: bool = False
-
-    def how(self, plan: Plan, sums: bool) -> str:
-        """How the collective combines the guard header ("" where its bytes
-        arrive as sent; :func:`xcoll._guard.header.own_size`); ``sums``:
-        whether the engine's broadcast sums it."""
-        return ""
-
-    def header_dtype(self, plan: Plan) -> torch.dtype:
-        """The dtype of the guard header's part: a move's int32 wire words."""
-        return torch.int32
-
-    def header_size(self, dtype: torch.dtype, how: str, world: int) -> int:
-        """The header's number of elements (:func:`xcoll._guard.header.own_size`)."""
-        return _header.own_size(dtype, how, world)
-
-    def header_parts(
-        self, values: list[int], dtype: torch.dtype, how: str, world: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The header's part (what this replica sends), and the collective's
-        result where the header lies when every replica sends the same part,
-        in wire form and decoded: a move's in its int32 wire words."""
-        part = torch.tensor(values, dtype=torch.int32)
-        return part, part, part
-
-    def one_sided(self, how: str) -> bool:
-        """Whether only the receivers learn the verdict (a broadcast from src)."""
-        return False
+    #: How its collective carries the guard's header (one of
+    #: :data:`xcoll._guard.header.CARRIES`), which is all the guard reads of it.
+    carries: str
 
     def rows(self, world: int) -> int:
         """The rows of a collective's result, one per replica that sent it."""
@@ -300,8 +282,10 @@ class Packed(Op):
         or an eager engine; ``sums``: whether a broadcast sums its header."""
         guard = None
         if guarded:
-            how = self.how(plan, sums)
-            guard = _recipe.guard(self, self.header_dtype(plan), how, w, lazy)
+            op = (
+                plan.ops[0] if plan.ops else ""
+            )  # (bucket 0's: a reduce's header is its first part)
+            guard = _header.guard(self.carries, plan.buckets[0].dtype, op, sums, w, lazy)
         # (a large tensor travels alone on eager engines only: on XLA its
         # bytes are in the graph either way)
         alone = 0 if lazy or self.scatters else _TUNING.get().alone

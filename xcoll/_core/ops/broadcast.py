@@ -24,12 +24,12 @@ class Broadcast(Move):
     src: int = 0
     grad: bool = False
     name: str = "xcoll.broadcast"
+    carries = "broadcast"
 
     def head(self, sync, to_cpu):
         return f"src={self.src} {super().head(sync, to_cpu)}"
 
     def validate(self, flat, transport, sync, to_cpu):
-        super().validate(flat, transport, sync, to_cpu)
         w = transport.world
         src = self.src
         if src.__class__ is not int and (isinstance(src, bool) or not isinstance(src, int)):
@@ -43,18 +43,6 @@ class Broadcast(Move):
     def plan(self, flat, world):
         dtypes = [_tree.dtype_of(leaf) for leaf in flat.leaves]
         return laid_out(flat, dtypes, dtypes, (), leaf_shape(flat), _check.describe(flat))
-
-    def how(self, plan, sums):
-        return "sum" if sums else ""
-
-    def header_parts(self, values, dtype, how, world):
-        part, wire, _ = super().header_parts(values, dtype, how, world)
-        if how == "sum":
-            wire = wire * world
-        return part, wire, wire
-
-    def one_sided(self, how):
-        return not how
 
     def send(self, transport, wire, k, r):
         return transport.broadcast(wire, self.src, r.guard.size if r.guard and k == 0 else 0)

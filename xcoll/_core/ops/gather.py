@@ -43,6 +43,7 @@ class Gather(Move):
     stack: bool = False
     grad: bool = False
     name: str = "xcoll.gather"
+    carries = "gathered"
 
     def head(self, sync, to_cpu):
         # (gather_params' text, written out: a call's head is made on every call)
@@ -82,11 +83,6 @@ class Gather(Move):
                 f"{tuple(flat.leaves[i].shape)}"
             )
         return self.dim % n
-
-    def header_parts(self, values, dtype, how, world):
-        part, wire, _ = super().header_parts(values, dtype, how, world)
-        wire = wire.expand(world, -1)  # (every replica's, in rank order)
-        return part, wire, wire
 
     def rows(self, world):
         return world

@@ -16,7 +16,6 @@ from ..._base import tree as _tree
 from ..._encode import pack as _pack
 from ..._encode import wire as _wire
 from ..._guard import check as _check
-from ..._guard import header as _header
 from .base import Op, Packed, laid_out, leaf_shape, tuning
 
 OPS = ("sum", "mean", "max", "min", "prod")
@@ -53,6 +52,7 @@ class Reduce(Packed):
     op: Any = "sum"
     grad: bool = False
     name: str = "xcoll.reduce"
+    carries = "reduced"
     joins = False
 
     def key(self, flat, world):
@@ -104,22 +104,6 @@ class Reduce(Packed):
             means=tuple(_ranges(b, means) for b in plan.buckets),
             ops=tuple(_reduce_op(b) for b in plan.buckets),
         )
-
-    def how(self, plan, sums):
-        return plan.ops[0]
-
-    def header_dtype(self, plan):
-        return plan.buckets[0].dtype  # (bucket 0's first part)
-
-    def header_size(self, dtype, how, world):
-        return _header.alike_size(dtype, how, world)
-
-    def header_parts(self, values, dtype, how, world):
-        part = torch.tensor(values, dtype=dtype)
-        wire = _wire.encode_reduce(part.clone(), how, TORCH.bitcast)
-        if how == "sum":
-            wire = wire * world
-        return part, wire, _wire.decode_reduce(wire.clone(), dtype, how, TORCH.bitcast)
 
     def send(self, transport, wire, k, r):
         return transport.all_reduce(wire, r.ops[k])
