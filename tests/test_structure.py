@@ -56,6 +56,7 @@ LAYERS = {
         ["xcoll._core.ops.base"],
         ["xcoll._core.ops.parts"],
         ["xcoll._core.ops.reduce"],
+        ["xcoll._core.ops.reduce_scatter"],
         ["xcoll._core.ops.gather"],
         ["xcoll._core.ops.all_to_all", "xcoll._core.ops.broadcast"],
         ["xcoll._core.ops"],

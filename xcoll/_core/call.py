@@ -21,14 +21,19 @@ from .._guard import entry as _entry
 from .._guard import header as _header
 from .._guard import verdict as _verdict
 from . import execute as _execute
-from .ops import Op, Packed, validate
+from .ops import GRAD_ON_HOST, Op, Packed, unsynced
 from .recipe import Plan
 
 _plans: _memo.Memo[Plan] = _memo.Memo()
 
 
 def _prepare(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> Plan:
-    validate(op, flat, transport, sync, to_cpu)
+    # the op's own checks, then those every op shares, which no op can skip
+    op.validate(flat, transport, sync, to_cpu)
+    if op.grad and to_cpu:
+        raise ValueError(GRAD_ON_HOST)
+    if not sync:
+        unsynced(flat, to_cpu)
     w = transport.world
     return _plans.get(op.key(flat, w), op.plan, flat, w)
 

@@ -22,8 +22,8 @@ gradients:
 
 So the backward is one xcoll call on the tree of output gradients (of the
 floating tensor leaves), packed and guarded as every call is, of the
-forward's op's :meth:`~xcoll._core.ops.Op.backward` (named as the forward's
-backward). Which leaves travel, how their gradients are sent and how each
+forward's op's dual, which its transpose names (:class:`~xcoll._core.ops.Transpose`,
+named as the forward's backward). Which leaves travel, how their gradients are sent and how each
 input's gradient is taken from the result depends only on the forward's op
 and signature: a :class:`Rule`, made once per signature. A take that reads
 this replica's rank reads it from uploaded data (a mask), so that on XLA
@@ -58,8 +58,8 @@ from . import ops as _ops
 @dataclass(frozen=True)
 class Rule:
     """How a differentiable call's gradients flow back, for one op and
-    signature: which leaves travel, and the op's own rule
-    (:meth:`xcoll._core.ops.Op.backward`, :meth:`~xcoll._core.ops.Op.take`)."""
+    signature: which leaves travel, and the op's transpose
+    (:class:`xcoll._core.ops.Transpose`)."""
 
     #: The forward's op (of its fields, only those its rule's key holds).
     op: _ops.Op
@@ -71,10 +71,9 @@ class Rule:
     #: The forward's structure (the gradient tree's, with None for the
     #: leaves that do not travel).
     treespec: optree.PyTreeSpec
-    #: The backward's collective, named after the forward (whose ``tag`` it carries).
-    backward: _ops.Op
-    #: What the op's sent and take read of each travelling leaf (:meth:`xcoll._core.ops.Op.backward_dims`).
-    dims: tuple[Any, ...] = ()
+    #: The op's transpose: the backward's collective (named after the
+    #: forward, whose ``tag`` it carries), and how gradients go through it.
+    transpose: _ops.Transpose
 
     @staticmethod
     def of(op: _ops.Op, flat: _tree.Flat) -> Rule:
@@ -85,8 +84,7 @@ class Rule:
             leaves=leaves,
             shapes=tuple(tuple(flat.leaves[i].shape) for i in leaves),
             treespec=flat.treespec,
-            backward=op.backward(flat, leaves),
-            dims=op.backward_dims(flat, leaves),
+            transpose=_ops.transpose(op, flat, leaves),
         )
 
 
@@ -133,22 +131,22 @@ def backward(
     """A differentiable call's backward: its rule's collective of the output
     leaves' gradients ``grads``, named by its forward's ``identity``; each
     tensor input's gradient (None where none travels)."""
-    sent = iter(rule.op.sent([grads[i] for i in rule.leaves], rule.dims))
+    t = rule.transpose
+    sent = iter(t.sent([grads[i] for i in rule.leaves]))
     travelling = set(rule.leaves)
     tree = optree.tree_unflatten(
         rule.treespec, [next(sent) if i in travelling else None for i in range(len(grads))]
     )
     # (differentiable itself under create_graph=True; every Op is a frozen
     # dataclass, which the abstract base cannot say to mypy)
-    op = dataclasses.replace(rule.backward, grad=torch.is_grad_enabled())  # type: ignore[type-var]
+    op = dataclasses.replace(t.dual, grad=torch.is_grad_enabled())  # type: ignore[type-var]
     # An uneven gather's collective runs on its own, after the pending work
     # (whose shapes differ between replicas), as its forward's does.
-    alone = rule.op.alone_backward
-    if alone:
+    if t.alone:
         transport.sync()
-    out = call(op, tree, group, sync=alone, to_cpu=False, tag=identity)
+    out = call(op, tree, group, sync=t.alone, to_cpu=False, tag=identity)
     reduced = optree.tree_leaves(out, none_is_leaf=False)
-    took = rule.op.take(reduced, rule.dims, rule.shapes, transport, sizes)
+    took = t.take(reduced, rule.shapes, transport, sizes)
     taken = dict(zip(rule.leaves, took, strict=True))
     return tuple(taken.get(i) for i in rule.tensors)
 

@@ -94,7 +94,9 @@ class Signature:
         device, unless tagged."""
         if self.tag:  # (a tagged call's fingerprint is a digest made per call)
             return _on(transport, _build(self.fingerprint(), g))
-        key = (self.name, self.head, self.description.digest, g, transport.device)
+        # (the guard's fields, not the guard: a dataclass's hash is a Python call)
+        d, kind = self.description.digest, (g.carries, g.dtype, g.how, g.world)
+        key = (self.name, self.head, d, *kind, transport.device)
         return _headers.hit(key) or _headers.get(
             key, lambda: _on(transport, _build(self.fingerprint(), g))
         )

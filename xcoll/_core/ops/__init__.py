@@ -5,9 +5,10 @@ between collectives: its parameters, how it is described, validated and
 planned (:class:`xcoll._core.recipe.Plan`); how its collective carries the
 guard's header (:attr:`Packed.carries`: all that the guard,
 :mod:`xcoll._guard.header`, reads of it); how its wires are made, sent,
-cut and decoded; how a Python scalar comes back; and its backward rule
-(:meth:`Op.backward`, :meth:`Op.take`). The executor (:mod:`xcoll._core.execute`)
-reads these and never asks which collective it is.
+cut and decoded; how a Python scalar comes back; and its backward rule, its
+transpose (:class:`Transpose`, declared beside it in :data:`TRANSPOSES`).
+The executor (:mod:`xcoll._core.execute`) reads these and never asks which
+collective it is.
 Adding a collective is one new op and its public function.
 
 A move (:class:`Move`: gather, broadcast) joins every bucket's bytes into
@@ -17,19 +18,33 @@ exact (:mod:`xcoll._encode.wire`).
 
 One module each: :mod:`~xcoll._core.ops.base` (what every op is),
 :mod:`~xcoll._core.ops.gather`, :mod:`~xcoll._core.ops.reduce`,
-:mod:`~xcoll._core.ops.parts`, :mod:`~xcoll._core.ops.gather` (with the
-reduce-scatter), :mod:`~xcoll._core.ops.all_to_all`,
+:mod:`~xcoll._core.ops.parts`, :mod:`~xcoll._core.ops.reduce_scatter`,
+:mod:`~xcoll._core.ops.all_to_all`,
 :mod:`~xcoll._core.ops.broadcast`; their names are gathered here.
 """
 
 from .all_to_all import AllToAll
-from .base import Move, Op, Packed, Tuning, tuned, validate
+from .base import (
+    GRAD_ON_HOST,
+    TRANSPOSES,
+    Move,
+    Op,
+    Packed,
+    Transpose,
+    Tuning,
+    transpose,
+    tuned,
+    unsynced,
+)
 from .broadcast import Broadcast
-from .gather import Gather, ReduceScatter, gather_params
+from .gather import Gather, gather_params
 from .reduce import OPS, Reduce, merged, summed
+from .reduce_scatter import ReduceScatter
 
 __all__ = [
+    "GRAD_ON_HOST",
     "OPS",
+    "TRANSPOSES",
     "AllToAll",
     "Broadcast",
     "Gather",
@@ -38,10 +53,12 @@ __all__ = [
     "Packed",
     "Reduce",
     "ReduceScatter",
+    "Transpose",
     "Tuning",
     "gather_params",
     "merged",
     "summed",
+    "transpose",
     "tuned",
-    "validate",
+    "unsynced",
 ]

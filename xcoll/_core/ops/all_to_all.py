@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._base import tree as _tree
 from ..._guard import check as _check
-from .base import Op
-from .gather import Gather, check_dim
-from .parts import cut, parts
+from .base import TRANSPOSES, Op, Transpose
+from .gather import Gather
+from .parts import check_dim, cut, parts
 
 
 @dataclass(frozen=True)
@@ -42,21 +43,16 @@ class AllToAll(Gather):
     def send(self, transport, wire, k, r):
         return transport.all_to_all(wire)
 
-    def backward(self, flat, leaves):
-        """The same all-to-all of the output gradients: it is its own
-        inverse (replica ``r``'s part ``s`` came from replica ``s``'s part ``r``)."""
-        return AllToAll(self.dim, name=f"{self.name} backward")
-
-    def backward_dims(self, flat, leaves):
-        return ()
-
-    def sent(self, grads, dims):
-        return grads
-
-    def take(self, reduced, dims, shapes, transport, sizes):
-        return reduced
-
     def wires(self, r, transport, parts, head):
         join, order = transport.kernels.join, r.joined.order
         segments = cut(r, transport.kernels, parts)
         return [torch.cat([join(head + [seg[j] for j in order], r.joined) for seg in segments])]
+
+
+def _all_to_all_transpose(op: AllToAll, flat: _tree.Flat, leaves: tuple[int, ...]) -> Transpose:
+    """The same all-to-all of the output gradients: it is its own inverse
+    (replica ``r``'s part ``s`` came from replica ``s``'s part ``r``)."""
+    return Transpose(AllToAll(op.dim, name=f"{op.name} backward"))
+
+
+TRANSPOSES[AllToAll] = _all_to_all_transpose

@@ -93,15 +93,8 @@ def leaf_shape(flat: _tree.Flat):
     return lambda i: tuple(flat.leaves[i].shape)
 
 
-def validate(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> None:
-    """Checks of a call's arguments that are not cached with its plan: the
-    op's own (:meth:`Op.validate`), then those every op shares, so that no
-    op can skip them."""
-    op.validate(flat, transport, sync, to_cpu)
-    if op.grad and to_cpu:
-        raise ValueError("grad=True needs to_cpu=False: gradients flow back to the leaves' device")
-    if sync:
-        return
+def unsynced(flat: _tree.Flat, to_cpu: bool) -> None:
+    """Refuses what a call with ``sync=False`` cannot do, whatever its op."""
     if to_cpu:
         raise ValueError("to_cpu=True needs sync=True: host values exist only after execution")
     if flat.scalars:
@@ -109,6 +102,10 @@ def validate(op: Op, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu:
             f"{flat.path(flat.scalars[0])}: a Python scalar leaf needs sync=True (its value is "
             "known only after execution); pass a tensor to trace it into the pending graph"
         )
+
+
+#: What every op refuses of ``grad=True`` (:func:`xcoll._core.call.prepare`).
+GRAD_ON_HOST = "grad=True needs to_cpu=False: gradients flow back to the leaves' device"
 
 
 class Op(ABC):
@@ -122,9 +119,6 @@ class Op(ABC):
     grad: bool = False
     #: A broadcast's source rank (a field of that op).
     src: int = 0
-    #: Whether a differentiable call's backward runs on its own, after the
-    #: pending work (an uneven gather's: the replicas' shapes differ).
-    alone_backward: bool = False
 
     def head(self, sync: bool, to_cpu: bool) -> str:
         """The call's parameters, as the consistency check compares them."""
@@ -132,7 +126,8 @@ class Op(ABC):
 
     def validate(self, flat: _tree.Flat, transport: Transport, sync: bool, to_cpu: bool) -> None:
         """The op's own checks of the call's arguments that are not cached
-        with the plan (:func:`validate` makes those every op shares, after)."""
+        with the plan (:func:`xcoll._core.call.prepare` makes those every op
+        shares, after)."""
 
     @abstractmethod
     def key(self, flat: _tree.Flat, world: int) -> Hashable:
@@ -156,39 +151,54 @@ class Op(ABC):
         what a backward needs of this call beyond its signature (an uneven
         gather's sizes; None for the others)."""
 
-    # The backward rule (:mod:`xcoll._core.grad`): the output gradients of
-    # the floating tensor leaves ``leaves`` (:meth:`sent`) go through the
-    # collective :meth:`backward`, and each input's gradient is taken from
-    # its result by :meth:`take`.
 
-    @abstractmethod
-    def backward(self, flat: _tree.Flat, leaves: Sequence[int]) -> Op:
-        """The collective of the call's backward, on the tree of the
-        travelling leaves' output gradients (None elsewhere), named
-        ``f"{self.name} backward"``."""
+@dataclass(frozen=True)
+class Transpose:
+    """A differentiable call's backward rule (:mod:`xcoll._core.grad`), for
+    one op and signature: the output gradients of its floating tensor leaves
+    go through its dual collective (:attr:`dual`), sent as :meth:`sent` makes
+    them, and each input's gradient is taken from the result by :meth:`take`.
+    This one sends and takes them as they are (a reduce's, an all-to-all's);
+    a collective whose rule differs has its own subclass, beside it."""
 
-    def backward_dims(self, flat: _tree.Flat, leaves: Sequence[int]) -> tuple[Any, ...]:
-        """Per travelling leaf, what :meth:`sent` and :meth:`take` read of it
-        beyond its shape."""
-        return ()
+    #: The backward's collective, on the tree of the travelling leaves'
+    #: output gradients (None elsewhere), named ``"<forward's name> backward"``.
+    dual: Op
+    #: Whether it runs on its own, after the pending work (an uneven
+    #: gather's: the replicas' shapes differ).
+    alone: bool = False
 
-    def sent(self, grads: list[torch.Tensor], dims: tuple[Any, ...]) -> list[torch.Tensor]:
-        """The travelling leaves' output gradients as :meth:`backward` takes them."""
+    def sent(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The travelling leaves' output gradients as :attr:`dual` takes them."""
         return grads
 
-    @abstractmethod
     def take(
         self,
         reduced: list[torch.Tensor],
-        dims: tuple[Any, ...],
         shapes: tuple[tuple[int, ...], ...],
         transport: Transport,
         sizes: Any,
     ) -> list[torch.Tensor]:
         """Each travelling leaf's input gradient, from its output gradient's
-        result of :meth:`backward` (``dims``: :meth:`backward_dims`;
-        ``shapes``: the leaves'; ``sizes``: what :meth:`apply` returned for
-        the backward)."""
+        result of :attr:`dual` (``shapes``: the leaves'; ``sizes``: what
+        :meth:`Op.apply` returned for the forward)."""
+        return reduced
+
+
+#: A collective's transpose: its :class:`Transpose` for a call on ``flat``
+#: whose travelling leaves are ``leaves``.
+TransposeRule = Callable[[Any, _tree.Flat, tuple[int, ...]], Transpose]
+
+#: Each collective's transpose, by its type, declared beside it (a gather's
+#: and a reduce-scatter's beside the gather: each is the other's dual), as
+#: JAX declares its primitives' transposes.
+TRANSPOSES: dict[type[Op], TransposeRule] = {}
+
+
+def transpose(op: Op, flat: _tree.Flat, leaves: tuple[int, ...]) -> Transpose:
+    """The backward rule of a differentiable call of ``op`` on ``flat``,
+    whose floating tensor leaves ``leaves`` carry gradients."""
+    return TRANSPOSES[type(op)](op, flat, leaves)
 
 
 class Packed(Op):

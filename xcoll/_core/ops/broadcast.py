@@ -12,7 +12,7 @@ from ..._base import memo as _memo
 from ..._base import tree as _tree
 from ..._encode import wire as _wire
 from ..._guard import check as _check
-from .base import Move, laid_out, leaf_shape
+from .base import TRANSPOSES, Move, Transpose, laid_out, leaf_shape
 from .reduce import summed
 
 
@@ -56,13 +56,24 @@ class Broadcast(Move):
             own = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
         return _wire.encode_move(own.reshape(-1), TORCH.bitcast)  # (a view: contiguous)
 
-    def backward(self, flat, leaves):
-        return summed(self, flat, leaves)
 
-    def take(self, reduced, dims, shapes, transport, sizes):
-        """The summed gradient on src, zeros elsewhere."""
+@dataclass(frozen=True)
+class Kept(Transpose):
+    """A broadcast's backward rule: the summed gradient on ``src``, zeros elsewhere."""
+
+    src: int = 0
+
+    def take(self, reduced, shapes, transport, sizes):
         mask = _mask(transport, transport.rank() == self.src)
         return [transport.kernels.keep(g, mask) for g in reduced]
+
+
+def _broadcast_transpose(op: Broadcast, flat: _tree.Flat, leaves: tuple[int, ...]) -> Transpose:
+    """An all-reduce sum of the output gradients, kept on ``src``."""
+    return Kept(summed(op, flat, leaves), src=op.src)
+
+
+TRANSPOSES[Broadcast] = _broadcast_transpose
 
 
 # (device, whether it is src) -> the backward's (1,) mask: uploaded data, 1-d

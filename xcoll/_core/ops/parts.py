@@ -2,7 +2,7 @@
 address each replica its own part: every tensor leaf's ``dim`` is cut into
 W equal parts, and part ``r`` goes to replica ``r``. A reduce-scatter
 returns, on replica ``r``, the reduction of every replica's part ``r``
-(:class:`~xcoll._core.ops.gather.ReduceScatter`: a reduce whose buckets
+(:class:`~xcoll._core.ops.reduce_scatter.ReduceScatter`: a reduce whose buckets
 are sent as W segments); an all-to-all returns every replica's part ``r``,
 concatenated along ``dim`` in rank order
 (:class:`~xcoll._core.ops.all_to_all.AllToAll`: a gather of the parts, sent
@@ -24,12 +24,20 @@ it)::
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from ..._backends.base import Kernels
 from ..._base import tree as _tree
 from ..recipe import Recipe
+
+
+def check_dim(dim: Any) -> None:
+    """Refuses a ``dim`` that is not an int (checked on every call, where a
+    plan is looked up: True would find dim=1's plan)."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {dim!r}")
 
 
 def parts(flat: _tree.Flat, dim: int, world: int, name: str) -> _tree.Flat:

@@ -16,7 +16,7 @@ from ..._base import tree as _tree
 from ..._encode import pack as _pack
 from ..._encode import wire as _wire
 from ..._guard import check as _check
-from .base import Op, Packed, laid_out, leaf_shape, tuning
+from .base import TRANSPOSES, Op, Packed, Transpose, laid_out, leaf_shape, tuning
 
 OPS = ("sum", "mean", "max", "min", "prod")
 
@@ -120,17 +120,18 @@ class Reduce(Packed):
             results, kernels = transport.sync_and_fetch(results), TORCH
         return kernels.decode_reduce(results, r.dtypes, r.ops, r.means, r.world), None
 
-    def backward(self, flat, leaves):
-        """An all-reduce of the output gradients, each by its leaf's own op:
-        sum, or mean (the others have no gradient)."""
-        ops = _tree.broadcast_prefix(self.op, flat, "op")
-        out: list[Any] = [None] * len(flat.leaves)
-        for i in leaves:
-            out[i] = ops[i]
-        return Reduce(flat.unflatten(out), name=f"{self.name} backward")
 
-    def take(self, reduced, dims, shapes, transport, sizes):
-        return reduced
+def _reduce_transpose(op: Reduce, flat: _tree.Flat, leaves: tuple[int, ...]) -> Transpose:
+    """An all-reduce of the output gradients, each by its leaf's own op:
+    sum, or mean (the others have no gradient: :meth:`Reduce.plan` refuses them)."""
+    ops = _tree.broadcast_prefix(op.op, flat, "op")
+    out: list[Any] = [None] * len(flat.leaves)
+    for i in leaves:
+        out[i] = ops[i]
+    return Transpose(Reduce(flat.unflatten(out), name=f"{op.name} backward"))
+
+
+TRANSPOSES[Reduce] = _reduce_transpose
 
 
 def summed(op: Op, flat: _tree.Flat, leaves: Sequence[int]) -> Reduce:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..._backends.base import Transport
+from ..._base import tree as _tree
 from ..._encode import pack as _pack
 from ..._guard import check as _check
 from .. import call as _call
@@ -54,7 +55,6 @@ class UnevenGather(_ops.Op):
     stack: bool = False
     grad: bool = False
     name: str = "xcoll.gather"
-    alone_backward = True
 
     def head(self, sync, to_cpu):
         params = _ops.gather_params(self.dim, self.stack, True, self.max_size)
@@ -112,28 +112,6 @@ class UnevenGather(_ops.Op):
         if not to_cpu:
             data = [transport.upload(t) for t in data]
         return _output(flat, idx, data, scalars), sizes
-
-    def backward(self, flat, leaves):
-        """An all-reduce sum of the output gradients (the replicas' shapes
-        differ: no engine cuts them into equal parts)."""
-        return _ops.summed(self, flat, leaves)
-
-    def backward_dims(self, flat, leaves):
-        """Per leaf, its growing dim and its column in the forward's sizes."""
-        growing = growing_dims(flat, self.dim)
-        columns = {i: k for k, i in enumerate(sorted(growing))}
-        return tuple((growing[i], columns[i]) for i in leaves)
-
-    def take(self, reduced, dims, shapes, transport, sizes):
-        """This replica's own rows of the summed gradient, found by the sizes
-        that the forward exchanged (the replicas' shapes differ)."""
-        r = transport.rank()
-        return [
-            g.narrow(d, int(sizes[:r, k].sum()), int(sizes[r, k])).clone(
-                memory_format=torch.contiguous_format
-            )
-            for g, (d, k) in zip(reduced, dims, strict=True)
-        ]
 
     def _bounded(self, flat, transport, rows, host, local, scalars, signature):
         """The call with ``max_size``: every replica's shape rows, scalars and
@@ -234,3 +212,37 @@ def _int64_rows(rows: torch.Tensor) -> torch.Tensor:
     # (a copy of standard strides: a gathered row may be a view whose strides
     # the wider dtype cannot view, a single row's among them)
     return rows.flatten().clone().view(torch.int64).reshape(rows.shape[0], rows.shape[1] // 8)
+
+
+@dataclass(frozen=True)
+class Narrowed(_ops.Transpose):
+    """An uneven gather's backward rule: this replica's own rows of the
+    summed gradient, found by the sizes that the forward exchanged (the
+    replicas' shapes differ)."""
+
+    #: Per travelling leaf, its growing dim and its column in the forward's sizes.
+    dims: tuple[tuple[int, int], ...] = ()
+
+    def take(self, reduced, shapes, transport, sizes):
+        r = transport.rank()
+        return [
+            g.narrow(d, int(sizes[:r, k].sum()), int(sizes[r, k])).clone(
+                memory_format=torch.contiguous_format
+            )
+            for g, (d, k) in zip(reduced, self.dims, strict=True)
+        ]
+
+
+def _uneven_transpose(
+    op: UnevenGather, flat: _tree.Flat, leaves: tuple[int, ...]
+) -> _ops.Transpose:
+    """An all-reduce sum of the output gradients (the replicas' shapes
+    differ: no engine cuts them into equal parts), run on its own, after
+    the pending work, as the forward's collective is."""
+    growing = growing_dims(flat, op.dim)
+    columns = {i: k for k, i in enumerate(sorted(growing))}
+    dims = tuple((growing[i], columns[i]) for i in leaves)
+    return Narrowed(_ops.summed(op, flat, leaves), alone=True, dims=dims)
+
+
+_ops.TRANSPOSES[UnevenGather] = _uneven_transpose
