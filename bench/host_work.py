@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,6 +87,56 @@ def count(_: Any = None) -> dict[str, int]:
     return counts
 
 
+#: torch_xla's collectives, as xcoll calls them (a torch.distributed process
+#: group's methods are not seen by a profiler: for them the frame that calls
+#: them, ``DistTransport._start``, is counted).
+ENGINE = {"_xla_all_gather", "_xla_all_reduce", "_xla_all_to_all", "_xla_reduce_scatter"}
+_XCOLL = str(Path(xcoll.__file__).parent)
+_POOLS = str(Path(xcoll.__file__).parent / "testing")
+_DIST = str(Path(xcoll.__file__).parent / "_backends" / "dist.py")
+
+
+def frames(_: Any = None) -> dict[str, int]:
+    """Rank 0's most xcoll frames on the stack when a warm call reaches its
+    engine's collective, per cell: from the public function (its frame
+    included) to the frame that calls the engine. A large gather (64 KiB,
+    not a small call) is counted too."""
+    dev = _device()
+    cells = _calls(dev, _plain_dist if dev.type == "cpu" else _plain_xla)
+    del cells["plain"]
+    big = torch.zeros(16384).to(dev)
+    cells["gather, 64 KiB"] = lambda: xcoll.gather(big)
+    out = {}
+    for name, call in cells.items():
+        for _ in range(3):
+            call()
+        out[name] = _depth(call)
+    return out
+
+
+def _depth(call: Callable[[], Any]) -> int:
+    deepest = [0]
+    if xcoll.rank() == 0:
+        sys.setprofile(lambda frame, event, arg: _deepest(deepest, frame, event, arg))
+    call()
+    sys.setprofile(None)
+    return deepest[0]
+
+
+def _deepest(deepest: list[int], frame: Any, event: str, arg: Any) -> None:
+    code = frame.f_code
+    xla = event == "c_call" and getattr(arg, "__name__", "") in ENGINE
+    dist = event == "call" and code.co_name == "_start" and code.co_filename == _DIST
+    if not (xla or dist):
+        return
+    n = 0
+    while frame is not None:  # (the pool's own frames, which call the cell, aside)
+        name = frame.f_code.co_filename
+        n += name.startswith(_XCOLL) and not name.startswith(_POOLS)
+        frame = frame.f_back
+    deepest[0] = max(deepest[0], n)
+
+
 def _counted(call: Callable[[], Any]) -> int:
     """One call's count. (The least of a few is the call's own: on XLA:CPU a
     replica thread that finds the other holding the step lock waits for it,
@@ -114,10 +165,11 @@ def _tick(n: list[int], event: str) -> None:
 
 
 def main() -> None:
-    results = {}
+    results, depths = {}, {}
     for engine, make in (("gloo", GlooPool), ("XLA:CPU", XlaPool)):
         with make(2) as pool:
             results[engine] = pool.run(count, [None, None])[0]
+            depths[engine] = pool.run(frames, [None, None])[0]
     print(
         f"{'Python-level calls of a warm call, rank 0, W=2':48s}"
         + "".join(f"{e:>10s}" for e in results)
@@ -125,6 +177,9 @@ def main() -> None:
     for cell in CELLS:
         label = "the plain engine call" if cell == "plain" else cell
         print(f"  {label:46s}" + "".join(f"{r[cell]:10d}" for r in results.values()), flush=True)
+    print(f"{'xcoll frames from the public call to the engine':48s}")
+    for cell in depths["gloo"]:
+        print(f"  {cell:46s}" + "".join(f"{d[cell]:10d}" for d in depths.values()), flush=True)
 
 
 if __name__ == "__main__":
