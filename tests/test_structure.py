@@ -332,3 +332,32 @@ def test_the_glossary_names_an_identifier_that_its_file_defines():
     ]
     assert not missing, missing
     assert len({r[0] for r in rows}) == len(rows), "a term appears twice"
+
+
+def _tests_defined() -> dict[str, set[str]]:
+    """Each test function of tests/, with the files that define it."""
+    defined: dict[str, set[str]] = {}
+    for path in sorted((ROOT.parent / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                defined.setdefault(node.name, set()).add(path.name)
+    return defined
+
+
+def test_every_test_a_document_names_exists_in_the_file_it_names():
+    # (a promise in README.md or docs/ is held by the test it names: one
+    # renamed, moved or deleted leaves the promise unheld, and fails here)
+    defined = _tests_defined()
+    modules = {p.stem for p in (ROOT.parent / "tests").glob("test_*.py")}
+    named, missing = 0, []
+    for doc in [ROOT.parent / "README.md", *sorted((ROOT.parent / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for m in re.finditer(r"(?:(tests/[\w/]+\.py)::)?(test_\w+)", text):
+            file, name = m.group(1), m.group(2)
+            if name in modules:  # (a test file, named as such)
+                continue
+            named += 1
+            if name not in defined or (file and pathlib.Path(file).name not in defined[name]):
+                missing.append(f"{doc.name}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}")
+    assert not missing, missing
+    assert named > 150, named  # (the documents do name their tests)
