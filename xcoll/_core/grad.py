@@ -142,9 +142,9 @@ def backward(
     op = dataclasses.replace(t.dual, grad=torch.is_grad_enabled())  # type: ignore[type-var]
     # An uneven gather's collective runs on its own, after the pending work
     # (whose shapes differ between replicas), as its forward's does.
-    if t.alone:
+    if t.separate:
         transport.sync()
-    out = call(op, tree, group, sync=t.alone, to_cpu=False, tag=identity)
+    out = call(op, tree, group, sync=t.separate, to_cpu=False, tag=identity)
     reduced = optree.tree_leaves(out, none_is_leaf=False)
     took = t.take(reduced, rule.shapes, transport, sizes)
     taken = dict(zip(rule.leaves, took, strict=True))

@@ -166,7 +166,7 @@ class Transpose:
     dual: Op
     #: Whether it runs on its own, after the pending work (an uneven
     #: gather's: the replicas' shapes differ).
-    alone: bool = False
+    separate: bool = False
 
     def sent(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The travelling leaves' output gradients as :attr:`dual` takes them."""

@@ -242,7 +242,7 @@ def _uneven_transpose(
     growing = growing_dims(flat, op.dim)
     columns = {i: k for k, i in enumerate(sorted(growing))}
     dims = tuple((growing[i], columns[i]) for i in leaves)
-    return Narrowed(_ops.summed(op, flat, leaves), alone=True, dims=dims)
+    return Narrowed(_ops.summed(op, flat, leaves), separate=True, dims=dims)
 
 
 _ops.TRANSPOSES[UnevenGather] = _uneven_transpose
