@@ -731,3 +731,27 @@ def test_a_broadcast_receiver_raises_and_src_is_not_left_waiting():
     # a small call's header is summed, as XLA's every call's: every replica raises
     _expect_every_rank_raises(pool, _broadcast_keys, [4, 4])
     _expect_every_rank_raises(shared_pool("xla-cpu-2"), _broadcast_keys, [4, 4])
+
+
+def _large_calls(_):
+    """A call of each kind over the small size class (64 KiB): on gloo its
+    header is read as the first collective arrives, from each of a gather's
+    W rows (a reduce's and a broadcast's: the one row)."""
+    r, w = xcoll.rank(), xcoll.world_size()
+    x = torch.arange(16384.0).to(device()) + r
+    tree = {"x": x, "n": torch.tensor([r, 7]).to(device())}
+    got = xcoll.gather(tree, to_cpu=True)
+    assert torch.equal(got["x"], torch.cat([torch.arange(16384.0) + k for k in range(w)]))
+    assert got["n"].tolist() == [v for k in range(w) for v in (k, 7)]
+    summed = xcoll.reduce(tree, to_cpu=True)
+    assert torch.equal(summed["x"], torch.arange(16384.0) * w + sum(range(w)))
+    assert xcoll.broadcast(tree, src=w - 1, to_cpu=True)["n"].tolist() == [w - 1, 7]
+    return True
+
+
+@pytest.mark.parametrize("world", ["gloo-2", "gloo-4", "xla-cpu-2"])
+def test_calls_over_the_small_size_class_whose_replicas_agree_pass_their_guard(world):
+    # (the guard's false alarms: a verdict read from the wrong rows of what
+    # arrived raises on calls that agree)
+    pool = shared_pool(world)
+    assert pool.run(_large_calls, [None] * pool.world_size, timeout=180) == [True] * pool.world_size
