@@ -3,7 +3,14 @@
 A backend is chosen from the leaves themselves (as einops picks a backend from
 the tensor's type) and its framework is imported only when such leaves are
 present: ``import xcoll`` works without torch_xla installed. The boundary
-itself is in :mod:`xcoll._backends.base`.
+itself is in :mod:`xcoll._backends.base`; the engines behind it are
+torch.distributed's (:mod:`~xcoll._backends.dist`) and torch_xla's
+(:mod:`~xcoll._backends.xla`: its kernels in :mod:`~xcoll._backends.xla_kernels`,
+how a replica steps in :mod:`~xcoll._backends.xla_step`, every private
+torch_xla call in :mod:`~xcoll._backends._xlac`); a small call's collectives
+run on the host around one all-gather (:mod:`~xcoll._backends.hosted`); what
+the environment says of the launch, for errors, is in
+:mod:`~xcoll._backends._launch`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,18 @@
 """The backend boundary, in two halves.
 
-* :class:`Transport`: what a collectives engine provides: ``rank``,
-  ``world``, ``all_gather``, ``all_reduce``, ``reduce_scatter``,
-  ``all_to_all``, ``broadcast``, ``wait``, ``sync``, ``to_host`` and
-  ``exchange`` (a small gather run on its own).
+* :class:`Transport`: what a collectives engine provides. Its facts:
+  ``device``, ``world``, ``kernels``, ``lazy`` (collectives run at a sync),
+  ``broadcast_sums``, ``replica_threads``, ``group_key`` and
+  ``group_object``; ``rank`` and ``rank_name``. Its collectives, each on a
+  1-d buffer: ``all_gather``, ``all_reduce``, ``reduce_scatter``,
+  ``all_to_all``, ``broadcast``; started by ``flush`` where they are
+  recorded, completed by ``wait`` (eager engines) or ``sync`` (lazy ones).
+  Its transfers: ``upload``, ``upload_all``, ``to_host``, ``fetch``,
+  ``sync_and_fetch``; ``exchange`` and ``gathered_alone`` (a small gather
+  run on its own). What a call's leaves need: ``validate``,
+  ``own_buffers``. The guard's verdicts of calls in flight on a lazy
+  engine: ``defer`` and ``settle``. A replica that exits: ``say_left``,
+  ``left``.
 * :class:`Kernels`: how packed buffers are built and cut on the engine's
   device: ``pack``, ``join`` and ``unjoin`` (a move's one buffer),
   ``encode_reduce`` (packed and encoded) and ``decode_reduce`` (a

@@ -1,6 +1,7 @@
 """The guard layer: how replicas that disagree are caught. The per-call guard
-header (:mod:`~xcoll._guard.header`), the error its verdict raises and the
-watchdog's diagnosis (:mod:`~xcoll._guard.verdict`), a public call's entry
+header (:mod:`~xcoll._guard.header`), its verdict (what arrived read and
+checked, the error it raises) and the watchdog's diagnosis
+(:mod:`~xcoll._guard.verdict`), a public call's entry
 (:mod:`~xcoll._guard.entry`),
 the full consistency check (:mod:`~xcoll._guard.check`), small exchanges run on
 their own (:mod:`~xcoll._guard.exchange`), the watchdog
