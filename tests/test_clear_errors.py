@@ -351,14 +351,16 @@ def test_grad_refuses_to_cpu_for_every_op(call):
         GRAD_TO_CPU[call](x)
 
 
-def _uneven_grad_to_cpu(_):
-    x = torch.ones(2 + xcoll.rank(), requires_grad=True)
-    return xcoll.gather({"x": x}, uneven=True, grad=True, to_cpu=True)
+def _grad_to_cpu(call):
+    # (an uneven gather's shards differ between replicas, as its users' do)
+    n = 2 + xcoll.rank() if "uneven" in call else 4
+    return GRAD_TO_CPU[call]({"x": torch.ones(n, requires_grad=True)})
 
 
-def test_grad_refuses_to_cpu_on_every_replica_of_an_uneven_gather():
+@pytest.mark.parametrize("call", sorted(GRAD_TO_CPU))
+def test_grad_refuses_to_cpu_on_every_replica_for_every_op(call):
     pool = shared_pool("gloo-2")
-    failures = pool.run(_uneven_grad_to_cpu, [None, None], return_exceptions=True)
+    failures = pool.run(_grad_to_cpu, [call, call], return_exceptions=True)
     assert [f.type_name for f in failures] == ["builtins.ValueError"] * 2, failures
     assert all(f.message == GRAD_NEEDS_DEVICE for f in failures), failures
     assert pool.run(_ok, [None, None]) == [[0, 1]] * 2

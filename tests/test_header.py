@@ -200,3 +200,32 @@ def test_a_small_guarded_reduce_sends_a_small_header(world):
     # (the engine records an all-gather by its output: W rows of SMALL bytes)
     sent = [([("_allgather_base", w * pack.SMALL), ("allreduce", 1)], [expected, expected])] * w
     assert pool.run(_sent, [None] * w) == sent
+
+
+def test_a_collective_whose_header_no_verdict_reads_is_refused_when_its_recipe_is_built():
+    # (before: any value but "reduced" and "broadcast" was laid out as gathered)
+    with pytest.raises(ValueError, match=r"one of \('gathered', 'broadcast', 'reduced'\), not 'scattered'"):
+        _header.guard("scattered", torch.float32, "", False, 2, False)
+
+
+def _subclasses(cls: type) -> set[type]:
+    out = set()
+    for sub in cls.__subclasses__():
+        out |= {sub} | _subclasses(sub)
+    return out
+
+
+def test_every_collective_carries_its_header_one_known_way_and_declares_its_transpose():
+    import xcoll._core.uneven  # noqa: F401  (its op registers its transpose on import)
+    from xcoll._core import ops
+
+    collectives = {c for c in _subclasses(ops.Op) if not c.__name__.startswith("_")}
+    assert {c.__name__ for c in collectives} >= {
+        "Gather", "Reduce", "Broadcast", "ReduceScatter", "AllToAll", "UnevenGather"
+    }
+    for c in collectives:
+        # (the registry is read by exact type: a subclass without its own
+        # entry would raise KeyError at its first grad=True call)
+        assert c in ops.TRANSPOSES or c in (ops.Packed, ops.Move), c
+        if issubclass(c, ops.Packed) and c not in (ops.Packed, ops.Move):
+            assert c.carries in _header.CARRIES, c

@@ -129,15 +129,26 @@ class Guard:
     #: makes them), "outputs" (lazy engines: fetched with the outputs).
     when: str
     world: int
-    #: The rows of the first collective's result (W for a gathered header).
-    rows: int
+
+    @property
+    def rows(self) -> int:
+        """The rows of the first collective's result: W for a gathered
+        header (every replica's row), else 1."""
+        return self.world if self.carries == "gathered" else 1
 
 
 def guard(carries: str, dtype: torch.dtype, op: str, sums: bool, world: int, lazy: bool) -> Guard:
     """The :class:`Guard` of a collective that carries its header as
     ``carries`` says, at ``world`` replicas, on a ``lazy`` engine or an eager
     one; ``dtype`` and ``op``: its bucket 0's dtype and all-reduce op (a
-    "reduced" header's); ``sums``: whether the engine's broadcast sums its header."""
+    "reduced" header's); ``sums``: whether the engine's broadcast sums its header.
+
+    Raises:
+        ValueError: ``carries`` is not one of :data:`CARRIES` (a collective
+            whose header no verdict could read).
+    """
+    if carries not in CARRIES:
+        raise ValueError(f"a collective carries its guard header as one of {CARRIES}, not {carries!r}")
     if carries == "reduced":
         how, size = op, alike_size(dtype, op, world)
     else:
@@ -145,7 +156,7 @@ def guard(carries: str, dtype: torch.dtype, op: str, sums: bool, world: int, laz
         dtype, size = torch.int32, own_size(torch.int32, how, world)
     one_sided = carries == "broadcast" and not how  # (only the receivers learn it)
     when = "outputs" if lazy else "last" if one_sided else "first"
-    return Guard(carries, dtype, how, size, when, world, world if carries == "gathered" else 1)
+    return Guard(carries, dtype, how, size, when, world)
 
 
 _fingerprints: _memo.Memo[bytes] = _memo.Memo()
