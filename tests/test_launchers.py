@@ -53,12 +53,13 @@ def command(name: str, replace: dict[str, str]) -> list[str]:
 
 
 @needs_xla
-@pytest.mark.parametrize("pool", ["16", "4"])
+@pytest.mark.parametrize("pool", ["16", "4", "unset"])
 def test_torch_xla_launch_on_cpu_runs_the_docs_snippet(tmp_path, pool):
-    # (a pool of exactly the 4 replicas: the docs say at least W threads)
+    # (a pool of exactly the 4 replicas: the docs say at least W threads;
+    # unset, the docs' command: the script's import of xcoll makes it 16)
     script = tmp_path / "script.py"
     script.write_text(snippet("xla"))
-    result = run(script, {**XLA_CPU, "XLA_THREAD_POOL_SIZE": pool})
+    result = run(script, {**XLA_CPU, **({} if pool == "unset" else {"XLA_THREAD_POOL_SIZE": pool})})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preds [0.0, 1.0, 2.0, 10.0, 11.0, 12.0, 20.0, 21.0, 22.0, 30.0, 31.0, 32.0]" in (
         result.stdout
@@ -66,9 +67,36 @@ def test_torch_xla_launch_on_cpu_runs_the_docs_snippet(tmp_path, pool):
     assert "count [12] of 4 replicas" in result.stdout, result.stdout
 
 
+def _imported(env: dict[str, str]) -> dict[str, str | None]:
+    """What ``import xcoll`` leaves of XLA:CPU's settings, in a fresh process."""
+    code = (
+        "import os, xcoll; print(os.environ.get('XLA_THREAD_POOL_SIZE'), "
+        "os.environ.get('PJRT_CPU_ASYNC_CLIENT'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**clean_env(), **env}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    pool, client = out.stdout.split()
+    return {"pool": None if pool == "None" else pool, "client": client}
+
+
+def test_importing_xcoll_gives_xla_cpu_replicas_their_pool_and_client_where_unset():
+    # (before: a pool of the cores' number, 2 on CI, and the docs' command,
+    # with no XLA_THREAD_POOL_SIZE, aborted the snippet at W=4: 5 runs of 5)
+    assert _imported(XLA_CPU) == {"pool": "16", "client": "false"}
+    assert _imported({**XLA_CPU, "CPU_NUM_DEVICES": "12"}) == {"pool": "24", "client": "false"}
+    # the user's own settings are kept, and one device needs no pool
+    mine = {**XLA_CPU, "XLA_THREAD_POOL_SIZE": "5", "PJRT_CPU_ASYNC_CLIENT": "true"}
+    assert _imported(mine) == {"pool": "5", "client": "true"}
+    assert _imported({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})["pool"] is None
+    assert _imported({})["pool"] is None
+
+
 @needs_xla
 def test_a_thread_pool_smaller_than_the_replicas_is_named_not_aborted(tmp_path):
-    # what a 2-core machine has by default; XLA alone would abort after 10 s
+    # a pool set smaller than W (the default, one per core, where xcoll is
+    # imported after the runtime starts); XLA alone would abort after 10 s
     script = tmp_path / "script.py"
     script.write_text(snippet("xla"))
     result = run(script, {**XLA_CPU, "XLA_THREAD_POOL_SIZE": "2"})
@@ -371,7 +399,7 @@ def test_torchrun_on_two_nodes_runs_the_eval_loop(from_wheel, tmp_path):
 
 def _variables_read(tree) -> set[str]:
     """The names that code reads from the environment: ``os.environ.get("NAME")``
-    calls, the keys of ``_DOWNCASTS`` (xcoll/_backends/xla.py) and the size
+    and ``os.environ.setdefault("NAME", ...)`` calls, the keys of ``_DOWNCASTS`` (xcoll/_backends/xla.py) and the size
     and rank variables of ``_LAUNCHERS`` (xcoll/_backends/_launch.py)."""
     import ast
 
@@ -379,7 +407,7 @@ def _variables_read(tree) -> set[str]:
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Call)
-            and ast.unparse(node.func) == "os.environ.get"
+            and ast.unparse(node.func) in ("os.environ.get", "os.environ.setdefault")
             and isinstance(node.args[0], ast.Constant)
         ):
             read.add(node.args[0].value)

@@ -65,18 +65,24 @@ def launch_hint(xla_leaves: bool) -> str:
 
 
 def default_cpu_client() -> None:
-    """Makes XLA:CPU's synchronous PJRT client the default of an XLA runtime
-    that starts after xcoll is imported (``PJRT_CPU_ASYNC_CLIENT=false``,
-    where it is unset and no runtime runs yet; the replicas that
-    ``torch_xla.launch`` starts inherit it). Under torch_xla's default, the
-    asynchronous client, thread-per-device replicas aborted training steps
-    (:mod:`xcoll._backends.xla_step`, docs/launchers.md). The variable is
-    read by XLA:CPU alone."""
-    if os.environ.get("PJRT_CPU_ASYNC_CLIENT") is not None:  # (the caller's choice)
-        return
+    """Makes XLA:CPU's synchronous PJRT client, and a thread pool of
+    ``max(16, 2W)`` threads for ``CPU_NUM_DEVICES=W`` replicas, the defaults
+    of an XLA runtime that starts after xcoll is imported
+    (``PJRT_CPU_ASYNC_CLIENT=false``, ``XLA_THREAD_POOL_SIZE``: each where it
+    is unset and no runtime runs yet; the replicas that ``torch_xla.launch``
+    starts inherit them). Under torch_xla's default, the asynchronous client,
+    thread-per-device replicas aborted training steps
+    (:mod:`xcoll._backends.xla_step`, docs/launchers.md); with fewer pool
+    threads than replicas (the default: one per core), only that many reach
+    a collective and XLA aborts the process (the docs' snippet at W=4 on 2
+    cores: 5 runs of 5). ``PJRT_CPU_ASYNC_CLIENT`` is read by XLA:CPU alone;
+    the pool's size is set only where ``CPU_NUM_DEVICES`` (XLA:CPU's) is."""
     if "torch_xla" in sys.modules:  # (else no runtime runs: torch_xla is not imported here)
         from . import _xlac
 
         if _xlac.runtime_is_initialized():
             return
-    os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"
+    os.environ.setdefault("PJRT_CPU_ASYNC_CLIENT", "false")  # (else the caller's choice)
+    replicas = os.environ.get("CPU_NUM_DEVICES", "")
+    if replicas.isdigit() and int(replicas) > 1:
+        os.environ.setdefault("XLA_THREAD_POOL_SIZE", str(max(16, 2 * int(replicas))))

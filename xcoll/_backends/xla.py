@@ -106,7 +106,8 @@ def _set_up_process(device: torch.device) -> None:
                 f"thread pool has {pool} (XLA_THREAD_POOL_SIZE, default: the number of cores), "
                 f"so only {pool} can reach a collective and XLA would abort the process; set "
                 f"XLA_THREAD_POOL_SIZE={max(16, 2 * replicas)} in the environment that starts "
-                "the program (docs/launchers.md)"
+                "the program, or import xcoll before the XLA runtime starts, which makes that "
+                "the default (docs/launchers.md)"
             )
     if cpu:
         torch_xla.sync = own_sync

@@ -25,8 +25,7 @@ reduce, the optimizer's update, one ``xcoll.sync()``; then a metrics reduce,
 and the mean loss printed every 5 steps::
 
     torchrun --nproc-per-node 2 -m xcoll.examples.contrastive        # gloo, DDP
-    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 XLA_THREAD_POOL_SIZE=16 \\
-        python -m xcoll.examples.contrastive --xla
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python -m xcoll.examples.contrastive --xla
 
 Each prints the largest difference and exits with status 1 if it is larger
 than float32's tolerance (on XLA, a replica raises and ``torch_xla.launch``
