@@ -624,9 +624,11 @@ def sync(group: Any = None) -> None:
         return
     if transport.world == 1:
         transport.sync()
+        _verdict.settle(transport)
         return
     with _watchdog.watch(lambda seconds: _waited(seconds, True)):
         transport.sync()
+        _verdict.settle(transport)
 
 
 def _waited(seconds: float, lazy: bool) -> str:

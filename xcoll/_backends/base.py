@@ -11,7 +11,8 @@
   ``sync_and_fetch``; ``exchange`` and ``gathered_alone`` (a small gather
   run on its own). What a call's leaves need: ``validate``,
   ``own_buffers``. The guard's verdicts of calls in flight on a lazy
-  engine: ``defer`` and ``settle``. A replica that exits: ``say_left``,
+  engine, held until a sync has run their calls: ``defer`` and ``ready``
+  (:func:`xcoll._guard.verdict.settle` reads them). A replica that exits: ``say_left``,
   ``left``.
 * :class:`Kernels`: how packed buffers are built and cut on the engine's
   device: ``pack``, ``join`` and ``unjoin`` (a move's one buffer),
@@ -195,9 +196,6 @@ class Deferred(Protocol):
     def header(self) -> torch.Tensor:
         """The header's piece of the call's result, on the device."""
 
-    def read(self) -> None:
-        """Called once a sync has run the call, before any verdict is checked."""
-
     def check(self, header: torch.Tensor) -> None:
         """Raises where ``header`` (:attr:`header`, fetched) disagrees."""
 
@@ -302,8 +300,8 @@ class Transport(ABC):
         """Runs everything traced so far (no-op for eager engines)."""
 
     def defer(self, verdict: Deferred) -> None:
-        """Has :meth:`settle` read ``verdict`` (the guard of a ``sync=False``
-        call) once a sync has run it (lazy engines)."""
+        """Holds ``verdict`` (the guard of a ``sync=False`` call) until a
+        sync has run its call (:meth:`ready`; lazy engines)."""
         raise NotImplementedError(f"{type(self).__name__} runs no graph: nothing waits for a sync")
 
     def say_left(self, text: str) -> None:
@@ -317,12 +315,11 @@ class Transport(ABC):
         with their text."""
         return []
 
-    def settle(self) -> None:
-        """Reads the deferred verdicts that a sync has run (each raises where
-        the replicas' calls differ, on every replica); called at each call's
-        entry and after each of xcoll's syncs, never inside a caller's own
-        sync or lock (the read waits for the execution, and so for every
-        replica). Eager engines defer nothing."""
+    def ready(self) -> list[Deferred]:
+        """The deferred verdicts of this device whose calls a sync has run
+        (their headers are data), taken, in the order of their calls; the
+        others stay held. Eager engines defer nothing."""
+        return []
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """CPU copies of ``tensors``, fetched together."""

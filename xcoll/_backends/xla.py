@@ -22,7 +22,8 @@ Facts this module relies on, measured on XLA:CPU (see docs/design.md):
   is held). In a one-replica process it costs nothing. See :func:`sync` for why a step then
   waits.
 * A ``sync=False`` call's verdict is read once its header is data, at this
-  device's next xcoll call or sync (:meth:`XlaTransport.settle`), never
+  device's next xcoll call or sync (held here, :meth:`XlaTransport.ready`;
+  read by :func:`xcoll._guard.verdict.settle`), never
   inside someone else's step: a read waits for the execution, and so for
   every replica's step.
 """
@@ -261,7 +262,6 @@ class XlaTransport(Transport):
 
     def sync(self) -> None:
         sync(self.device)
-        self.settle()
 
     def sync_and_fetch(self, tensors):
         # Fetching an output of the execution waits for it, as sync's wait
@@ -269,9 +269,7 @@ class XlaTransport(Transport):
         # measured 0.3 ms per call at W=4 on 2 cores.
         step(self.device)
         _xlac.run_step_closures()
-        hosts = self.to_host(tensors)
-        self.settle()
-        return hosts
+        return self.to_host(tensors)
 
     def fetch(self, tensors):
         # Where a leaf is pending, everything pending runs first (the caller's
@@ -289,15 +287,9 @@ class XlaTransport(Transport):
         with _DEFERRED_LOCK:
             _deferred.setdefault(self._key, []).append(verdict)
 
-    def settle(self) -> None:
+    def ready(self) -> list[Deferred]:
         # (a call of this thread on another device settles that device's)
-        if not _deferred.get(self._key):
-            return
-        ready = _ready(self._key)
-        for verdict in ready:  # (every one, before any raises)
-            verdict.read()
-        for verdict, host in zip(ready, self.to_host([v.header for v in ready]), strict=True):
-            verdict.check(host)
+        return _ready(self._key) if _deferred.get(self._key) else []
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # Bit for bit: torch_xla's float16 download makes every NaN the canonical

@@ -123,7 +123,9 @@ def _copies(transport: Transport, tensors: list[torch.Tensor], to_cpu: bool) -> 
     lazy engine's by its sync (the caller's pending work runs with it) and
     one transfer, bit for bit."""
     if transport.lazy:
-        return transport.sync_and_fetch(tensors)
+        copies = transport.sync_and_fetch(tensors)
+        _verdict.settle(transport)  # (earlier sync=False calls' verdicts, which the sync ran)
+        return copies
     return [
         t.to("cpu" if to_cpu else t.device, copy=True, memory_format=torch.contiguous_format)
         for t in tensors
@@ -315,6 +317,8 @@ def _materialise(transport: Transport, blocks: Sequence[torch.Tensor], header):
         fetch = transport.sync_and_fetch(fetch)
     elif transport.lazy:  # (an eager engine's sync does nothing)
         transport.sync()
+    if transport.lazy:  # (earlier sync=False calls' verdicts, which the sync ran)
+        _verdict.settle(transport)
     return (fetch[:-1], fetch[-1]) if header is not None else (fetch, None)
 
 

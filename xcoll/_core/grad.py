@@ -142,7 +142,7 @@ def backward(
     op = dataclasses.replace(t.dual, grad=torch.is_grad_enabled())  # type: ignore[type-var]
     # An uneven gather's collective runs on its own, after the pending work
     # (whose shapes differ between replicas), as its forward's does.
-    if t.separate:
+    if t.separate:  # (the call's entry reads the verdicts this sync ran)
         transport.sync()
     out = call(op, tree, group, sync=t.separate, to_cpu=False, tag=identity)
     reduced = optree.tree_leaves(out, none_is_leaf=False)

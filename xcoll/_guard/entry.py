@@ -18,7 +18,7 @@ from . import order as _order
 from . import steps as _steps
 from . import watchdog as _watchdog
 from .header import EXACT_SUMS, Signature
-from .verdict import diagnosis
+from .verdict import diagnosis, settle
 
 
 class ConcurrentCallError(_check.CollectiveMismatchError):
@@ -72,7 +72,7 @@ class entered:
             if t.group_key in _order.in_flight:  # (a lookup: another group's completion is not waited for)
                 _order.sync(t.group_key)
             if t.lazy:  # (an earlier sync=False call's verdict, where a sync has run it)
-                t.settle()
+                settle(t)
             try:
                 tag, number = _steps.tag(t, self.explicit)
             except TypeError as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import torch
 
@@ -24,6 +24,23 @@ def arrived(g: Guard, transport: Transport, result: torch.Tensor) -> bytes:
     (eager engines), downloaded alone."""
     first = result[: g.size] if g.rows == 1 else result.view(g.rows, -1)[:, : g.size]
     return as_bytes(transport.to_host([first])[0])
+
+
+def settle(transport: Transport) -> None:
+    """Reads the verdicts of ``sync=False`` calls that a sync has run (:class:`Deferred`,
+    which the engine held: :meth:`Transport.ready`); each raises where the
+    replicas' calls differ, on every replica. Called at each call's entry
+    and after each of xcoll's syncs on a lazy engine, never inside a
+    caller's own sync or lock (the read waits for the execution, and so for
+    every replica)."""
+    # (what the engine holds is what :meth:`Deferred.of` made: it reads only the header)
+    ready = cast("list[Deferred]", transport.ready())
+    if not ready:
+        return
+    for verdict in ready:  # (every one, before any raises)
+        verdict.read()
+    for verdict, host in zip(ready, transport.to_host([v.header for v in ready]), strict=True):
+        verdict.check(host)
 
 
 def check(transport: Transport, signature: Signature | None, got: bytes, expected: bytes) -> None:
@@ -129,7 +146,7 @@ def causes(lazy: bool) -> str:
 @dataclass(frozen=True)
 class Deferred:
     """The verdict of a call made with ``sync=False`` on a lazy engine, read
-    once a sync has run the call (:meth:`Transport.settle`, at the device's
+    once a sync has run the call (:func:`settle`, at the device's
     next xcoll call or sync): ``header`` is then data, and reading it is a
     transfer, not an execution. A verdict that disagrees raises there, on
     every replica."""

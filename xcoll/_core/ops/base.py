@@ -336,6 +336,8 @@ class Move(Packed):
         if not to_cpu:
             return flats, header
         fetched = transport.sync_and_fetch(flats + ([header] if header is not None else []))
+        if transport.lazy:  # (earlier sync=False calls' verdicts, which the sync ran)
+            _verdict.settle(transport)
         header = fetched.pop() if header is not None else None
         decoded = [_wire.decode_move(f, d, TORCH.bitcast) for f, d in zip(fetched, r.dtypes, strict=True)]
         return decoded, header

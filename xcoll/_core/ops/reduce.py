@@ -16,6 +16,7 @@ from ..._base import tree as _tree
 from ..._encode import pack as _pack
 from ..._encode import wire as _wire
 from ..._guard import check as _check
+from ..._guard import verdict as _verdict
 from .base import TRANSPOSES, Op, Packed, Transpose, laid_out, leaf_shape, tuning
 
 OPS = ("sum", "mean", "max", "min", "prod")
@@ -118,6 +119,8 @@ class Reduce(Packed):
         kernels = transport.kernels
         if to_cpu:
             results, kernels = transport.sync_and_fetch(results), TORCH
+            if transport.lazy:  # (earlier sync=False calls' verdicts, which the sync ran)
+                _verdict.settle(transport)
         return kernels.decode_reduce(results, r.dtypes, r.ops, r.means, r.world), None
 
 

@@ -33,6 +33,7 @@ from ..._backends.base import Transport
 from ..._base import tree as _tree
 from ..._encode import pack as _pack
 from ..._guard import check as _check
+from ..._guard import verdict as _verdict
 from .. import call as _call
 from .. import ops as _ops
 from .. import recipe as _recipe
@@ -86,6 +87,7 @@ class UnevenGather(_ops.Op):
         # would give every replica a different program. (Nothing pending: no execution.)
         transport.sync()
         if transport.lazy:  # (padded and cut on the host, below)
+            _verdict.settle(transport)  # (earlier sync=False calls' verdicts, which the sync ran)
             host = transport.to_host([flat.leaves[i] for i in idx])
         else:
             host = [flat.leaves[i] for i in idx]
