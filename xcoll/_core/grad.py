@@ -197,8 +197,10 @@ def call(op: _ops.Op, tree: Any, group: Any, *, sync: bool, to_cpu: bool, tag: A
     its backend resolved once either way."""
     p = _call.prepare(op, tree, group, sync, to_cpu)
     if not op.grad or p.error is not None:  # (an error is raised by the call, on every replica)
-        if p.error is None and "warned" not in _once.__dict__ and torch.is_grad_enabled():
-            warn_without_grad(op.name, p.flat, p.transport, stacklevel=4)
+        # (flat.grads: a tensor leaf requires grad; most calls' none do)
+        flat = p.flat if p.error is None else None
+        if flat is not None and flat.grads and "warned" not in _once.__dict__ and torch.is_grad_enabled():
+            warn_without_grad(op.name, flat, p.transport, stacklevel=4)
         return _call.called(op, p, sync=sync, to_cpu=to_cpu, tag=tag)[0]
     assert p.flat is not None
     treespec, tensors = p.flat.treespec, map(p.flat.leaves.__getitem__, p.flat.tensors)
