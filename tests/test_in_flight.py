@@ -282,6 +282,34 @@ def test_a_call_in_flight_that_differs_raises_at_the_first_use_on_every_replica(
     assert reports == [("CollectiveMismatchError", True, True)] * gloo.world_size
 
 
+def _differing_call_read_early_by_rank_0(_=None):
+    """A call in flight that differs between replicas, whose output rank 0
+    alone reads before the next call: every replica's error names it (rank
+    0's at its read, the others' at the next call, which completes it
+    first), and the group goes on."""
+    rank = xcoll.rank()
+    xcoll.barrier()  # (as above)
+    got = xcoll.gather(torch.arange(3.0 + (rank == 1)), sync=False, tag="differs")
+    said = []
+    try:
+        if rank == 0:
+            got + 1
+        xcoll.gather(torch.ones(2), tag="next")
+    except xcoll.CollectiveMismatchError as e:
+        # (the differing call's shapes, both replicas': not the next call's)
+        said.append("tensor of shape (3)" in str(e) and "tensor of shape (4)" in str(e))
+    return said, xcoll.gather(torch.ones(1) * rank).tolist()
+
+
+def test_a_differing_call_in_flight_read_early_by_some_replicas_raises_on_every_replica(gloo):
+    # (the completion of a call that differs exchanges descriptions: a
+    # collective, which every replica makes before its next call's)
+    w = gloo.world_size
+    assert gloo.run(_differing_call_read_early_by_rank_0, [None] * w) == [
+        ([True], [float(r) for r in range(w)])
+    ] * w
+
+
 def _synced_by_group(_=None):
     """``xcoll.sync(group=g)`` completes the calls in flight on ``g``, and
     only those: a call on ``g`` that differs raises there, a call on the
