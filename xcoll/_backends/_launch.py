@@ -77,7 +77,8 @@ def default_cpu_client() -> None:
     a collective and XLA aborts the process (the docs' snippet at W=4 on 2
     cores: 5 runs of 5). ``PJRT_CPU_ASYNC_CLIENT`` is read by XLA:CPU alone;
     the pool's size is set only where ``CPU_NUM_DEVICES`` (XLA:CPU's) is."""
-    if "torch_xla" in sys.modules:  # (else no runtime runs: torch_xla is not imported here)
+    # (else no runtime runs: torch_xla is not imported here, or cannot be: None)
+    if sys.modules.get("torch_xla") is not None:
         from . import _xlac
 
         if _xlac.runtime_is_initialized():
