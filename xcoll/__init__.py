@@ -10,7 +10,7 @@ broadcast (one per dtype and op for a reduce), one sync.
 {'loss': tensor([2.]), 'count': 3}
 """
 
-from ._backends._launch import default_cpu_client as _default_cpu_client
+from ._backends._launch import default_cpu_env as _default_cpu_env
 from ._collectives import ReduceOp as ReduceOp  # (for type annotations: reduce's op)
 from ._collectives import (
     all_to_all,
@@ -58,4 +58,4 @@ __all__ = [
 #: CHANGELOG.md says what each one changed). pyproject.toml reads it from here.
 __version__ = "0.2.0"
 
-_default_cpu_client()  # (before any XLA runtime of this program starts: docs/launchers.md)
+_default_cpu_env()  # (before any XLA runtime of this program starts: docs/launchers.md)

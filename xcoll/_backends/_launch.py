@@ -64,9 +64,15 @@ def launch_hint(xla_leaves: bool) -> str:
 
 
 
-def default_cpu_client() -> None:
+def pool_size(replicas: int) -> int:
+    """The XLA:CPU thread pool xcoll asks for, for ``replicas`` replica
+    threads: at least one thread per replica, with room for torch_xla's own."""
+    return max(16, 2 * replicas)
+
+
+def default_cpu_env() -> None:
     """Makes XLA:CPU's synchronous PJRT client, and a thread pool of
-    ``max(16, 2W)`` threads for ``CPU_NUM_DEVICES=W`` replicas, the defaults
+    :func:`pool_size` threads for ``CPU_NUM_DEVICES=W`` replicas, the defaults
     of an XLA runtime that starts after xcoll is imported
     (``PJRT_CPU_ASYNC_CLIENT=false``, ``XLA_THREAD_POOL_SIZE``: each where it
     is unset and no runtime runs yet; the replicas that ``torch_xla.launch``
@@ -86,4 +92,4 @@ def default_cpu_client() -> None:
     os.environ.setdefault("PJRT_CPU_ASYNC_CLIENT", "false")  # (else the caller's choice)
     replicas = os.environ.get("CPU_NUM_DEVICES", "")
     if replicas.isdigit() and int(replicas) > 1:
-        os.environ.setdefault("XLA_THREAD_POOL_SIZE", str(max(16, 2 * int(replicas))))
+        os.environ.setdefault("XLA_THREAD_POOL_SIZE", str(pool_size(int(replicas))))

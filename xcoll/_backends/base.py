@@ -196,9 +196,6 @@ class Deferred(Protocol):
     def header(self) -> torch.Tensor:
         """The header's piece of the call's result, on the device."""
 
-    def check(self, header: torch.Tensor) -> None:
-        """Raises where ``header`` (:attr:`header`, fetched) disagrees."""
-
 
 class Transport(ABC):
     """One replica's view of a collectives engine, for one call.

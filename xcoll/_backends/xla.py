@@ -41,7 +41,7 @@ import torch_xla.runtime as xr
 
 from .._base import tree as _tree
 from . import _xlac
-from ._launch import launch_hint
+from ._launch import launch_hint, pool_size
 from .base import Deferred, Transport
 from .xla_kernels import Keep, XlaKernels
 from .xla_step import step, sync
@@ -106,7 +106,7 @@ def _set_up_process(device: torch.device) -> None:
                 f"this process runs {replicas} XLA:CPU replicas as threads, but torch_xla's "
                 f"thread pool has {pool} (XLA_THREAD_POOL_SIZE, default: the number of cores), "
                 f"so only {pool} can reach a collective and XLA would abort the process; set "
-                f"XLA_THREAD_POOL_SIZE={max(16, 2 * replicas)} in the environment that starts "
+                f"XLA_THREAD_POOL_SIZE={pool_size(replicas)} in the environment that starts "
                 "the program, or import xcoll before the XLA runtime starts, which makes that "
                 "the default (docs/launchers.md)"
             )

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from xcoll._backends._launch import pool_size
 from xcoll.testing._remote import RemoteFailure, _failure, _Results, _task
 from xcoll.testing._workers import _gloo_worker, _xla_worker
 
@@ -169,7 +170,7 @@ def xla_cpu_env(world_size: int) -> dict[str, str]:
         "CPU_NUM_DEVICES": str(world_size),
         "PJRT_CPU_ASYNC_CLIENT": "false",
         "XLA_NO_SPECIAL_SCALARS": "1",
-        "XLA_THREAD_POOL_SIZE": str(max(16, 2 * world_size)),
+        "XLA_THREAD_POOL_SIZE": str(pool_size(world_size)),
     }
 
 
