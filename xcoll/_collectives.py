@@ -623,12 +623,10 @@ def sync(group: Any = None) -> None:
         _order.sync(None if group is None else transport.group_key)
         return
     if transport.world == 1:
-        transport.sync()
-        _verdict.settle(transport)
+        _verdict.synced(transport)
         return
     with _watchdog.watch(lambda seconds: _waited(seconds, True)):
-        transport.sync()
-        _verdict.settle(transport)
+        _verdict.synced(transport)
 
 
 def _waited(seconds: float, lazy: bool) -> str:

@@ -275,8 +275,7 @@ def _sync(
     # different numbers of random values (why they sync) have different pending
     # graphs, which in the broadcast's graph would be different programs.
     # (Nothing pending: no execution.)
-    transport.sync()
-    _verdict.settle(transport)  # (earlier sync=False calls' verdicts, which the sync ran)
+    _verdict.synced(transport)
     mine, spec = optree.tree_flatten(cast(Any, rng_state(generators)))
     guard, agree = signature, True
     if signature is not None:

@@ -123,9 +123,7 @@ def _copies(transport: Transport, tensors: list[torch.Tensor], to_cpu: bool) -> 
     lazy engine's by its sync (the caller's pending work runs with it) and
     one transfer, bit for bit."""
     if transport.lazy:
-        copies = transport.sync_and_fetch(tensors)
-        _verdict.settle(transport)  # (earlier sync=False calls' verdicts, which the sync ran)
-        return copies
+        return _verdict.synced(transport, tensors)
     return [
         t.to("cpu" if to_cpu else t.device, copy=True, memory_format=torch.contiguous_format)
         for t in tensors
@@ -312,13 +310,7 @@ def _materialise(transport: Transport, blocks: Sequence[torch.Tensor], header):
     validated, and the header is read after the caller's sync). Only the
     outputs, the scalar blocks and the header are referenced here, so they
     alone become graph outputs."""
-    fetch = list(blocks) + ([header] if header is not None else [])
-    if fetch:
-        fetch = transport.sync_and_fetch(fetch)
-    elif transport.lazy:  # (an eager engine's sync does nothing)
-        transport.sync()
-    if transport.lazy:  # (earlier sync=False calls' verdicts, which the sync ran)
-        _verdict.settle(transport)
+    fetch = _verdict.synced(transport, list(blocks) + ([header] if header is not None else []))
     return (fetch[:-1], fetch[-1]) if header is not None else (fetch, None)
 
 

@@ -8,6 +8,7 @@ first difference); and what the watchdog says when a call waits
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn, cast
 
@@ -41,6 +42,21 @@ def settle(transport: Transport) -> None:
         verdict.read()
     for verdict, host in zip(ready, transport.to_host([v.header for v in ready]), strict=True):
         verdict.check(host)
+
+
+def synced(transport: Transport, tensors: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """``tensors`` on the host after one sync of what is pending (the
+    caller's work too) and one fetch: :meth:`Transport.sync_and_fetch`, or
+    :meth:`Transport.sync` where there is nothing to fetch (a no-op on an
+    eager engine). Then, on a lazy engine, the verdicts of the earlier
+    ``sync=False`` calls that the sync ran (:func:`settle`): every sync
+    xcoll makes goes through here."""
+    out = transport.sync_and_fetch(tensors) if tensors else []
+    if not tensors:
+        transport.sync()
+    if transport.lazy:
+        settle(transport)
+    return out
 
 
 def check(transport: Transport, signature: Signature | None, got: bytes, expected: bytes) -> None:

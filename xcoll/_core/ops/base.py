@@ -335,9 +335,7 @@ class Move(Packed):
         flats, header = _unjoin(r, transport.kernels, results, wire=to_cpu)
         if not to_cpu:
             return flats, header
-        fetched = transport.sync_and_fetch(flats + ([header] if header is not None else []))
-        if transport.lazy:  # (earlier sync=False calls' verdicts, which the sync ran)
-            _verdict.settle(transport)
+        fetched = _verdict.synced(transport, flats + ([header] if header is not None else []))
         header = fetched.pop() if header is not None else None
         decoded = [_wire.decode_move(f, d, TORCH.bitcast) for f, d in zip(fetched, r.dtypes, strict=True)]
         return decoded, header

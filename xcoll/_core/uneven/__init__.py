@@ -85,9 +85,8 @@ class UnevenGather(_ops.Op):
         # The caller's pending work runs first, on its own: here it typically has
         # shapes that differ between replicas, and in the graph of a collective that
         # would give every replica a different program. (Nothing pending: no execution.)
-        transport.sync()
+        _verdict.synced(transport)
         if transport.lazy:  # (padded and cut on the host, below)
-            _verdict.settle(transport)  # (earlier sync=False calls' verdicts, which the sync ran)
             host = transport.to_host([flat.leaves[i] for i in idx])
         else:
             host = [flat.leaves[i] for i in idx]
