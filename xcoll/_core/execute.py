@@ -65,15 +65,46 @@ def execute(
     if flat.grads and torch.is_grad_enabled():
         with torch.no_grad():
             return execute(r, flat, transport, signature, sync=sync, to_cpu=to_cpu)
-    if r.identity:
-        out, agree = _identity(r, flat, transport, to_cpu), True
-    elif r.hosted and (sync or not transport.lazy):
-        out, agree = _hosted(r, flat, transport, signature, sync, to_cpu)
-    else:
-        out, agree = _leaves_out(r, flat, transport, signature, sync, to_cpu)
+    if r.identity or (not r.buckets and r.guard is None):  # (no collective)
+        return _untravelled(r, flat, transport, to_cpu), True
+    # The stages, each in this one frame (a call's depth to its engine is
+    # short); each stage's buffers are dropped once used: on XLA whatever is
+    # still referenced at the sync becomes a graph output of its own.
+    t, host = transport, to_cpu
+    if r.hosted and (sync or not transport.lazy):  # (a small call, on the host: _backends.hosted)
+        leaves = _fetched(r, flat, transport) if transport.lazy else flat.leaves
+        # (cut on the host: a lazy engine's outputs are uploaded after, from the host)
+        t, host = Hosted(transport, leaves), to_cpu or transport.lazy
+    mine = None
+    if r.guard is not None:
+        assert signature is not None
+        mine = signature.header(r.guard, t)
+    wires = _wires(r, flat, t, mine)
+    if not sync and not t.lazy:  # (no Python scalars: refused without sync)
+        return flat.treespec.unflatten(InFlight.started(r, flat, t, signature, mine, wires)), True
+    results, read = _start(r, t, wires, signature, mine)
+    del wires
+    results = _complete(r, t, results, read, signature, mine)
+    g = r.guard  # (a one-sided verdict's header is read after every collective)
+    late = _verdict.arrived(g, t, results[0]) if g and g.when == "last" else None
+    out = _outputs(r, flat, t, signature, mine, results, sync, host)
+    if t is not transport and sync and not to_cpu and transport.device.type != "cpu":
+        _uploaded(transport, flat, out)
     for i in flat.scalars:
         out[i] = r.op.python(out[i], flat.leaves[i])
-    return flat.treespec.unflatten(out), agree
+    return flat.treespec.unflatten(out), late is None or (mine is not None and late == mine.wire)
+
+
+def _untravelled(r: Recipe, flat, transport: Transport, to_cpu: bool) -> Any:
+    """The output tree of a call that makes no collective: a world of one's
+    (:func:`_identity`), or a call without elements or a guard."""
+    if r.identity:
+        out = _identity(r, flat, transport, to_cpu)
+    else:
+        out = _empties(r, flat, [None] * len(flat.leaves), to_cpu)
+    for i in flat.scalars:
+        out[i] = r.op.python(out[i], flat.leaves[i])
+    return flat.treespec.unflatten(out)
 
 
 def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
@@ -95,27 +126,23 @@ def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
     return _empties(r, flat, out, to_cpu)
 
 
-def _hosted(r: Recipe, flat, transport: Transport, signature, sync: bool, to_cpu: bool):
-    """The output leaves and the verdict of a small call run on the host
-    (:mod:`xcoll._backends.hosted`): its tensor leaves fetched (where one is
-    pending on a lazy engine, after one sync of what is pending, the
-    caller's work too, as a program of its own), packed, sent and cut on the
-    host; the tensor outputs uploaded in one call where the engine's device
-    is not the host, unless ``to_cpu``. Without ``sync`` (an eager engine's
-    call in flight), its one exchange started."""
-    leaves = flat.leaves
-    if transport.lazy:  # (an eager engine's hosted leaves are on the host)
-        leaves = list(leaves)
-        sent = r.tensor_leaves
-        for i, host in zip(sent, transport.fetch([leaves[i] for i in sent]), strict=True):
-            leaves[i] = host
-    # (cut on the host: a lazy engine's outputs are uploaded after, from the host)
-    out, agree = _leaves_out(r, flat, Hosted(transport, leaves), signature, sync, to_cpu or transport.lazy)
-    if sync and not to_cpu and transport.device.type != "cpu":
-        tensors = flat.tensors
-        for i, up in zip(tensors, transport.upload_all([out[i] for i in tensors]), strict=True):
-            out[i] = up
-    return out, agree
+def _fetched(r: Recipe, flat, transport: Transport) -> list[Any]:
+    """A small call's leaves on a lazy engine, its tensor leaves fetched to
+    the host (where one is pending, after one sync of what is pending, the
+    caller's work too, as a program of its own)."""
+    leaves = list(flat.leaves)
+    sent = r.tensor_leaves
+    for i, host in zip(sent, transport.fetch([leaves[i] for i in sent]), strict=True):
+        leaves[i] = host
+    return leaves
+
+
+def _uploaded(transport: Transport, flat, out: list[Any]) -> None:
+    """A small call's tensor outputs, cut on the host, uploaded to the
+    engine's device in one call."""
+    tensors = flat.tensors
+    for i, up in zip(tensors, transport.upload_all([out[i] for i in tensors]), strict=True):
+        out[i] = up
 
 
 def _copies(transport: Transport, tensors: list[torch.Tensor], to_cpu: bool) -> list[torch.Tensor]:
@@ -137,28 +164,6 @@ def _encoded_and_back(t: torch.Tensor, op: str) -> torch.Tensor:
     flat = t if t.dim() == 1 else t.reshape(-1)
     out = _wire.decode_reduce(_wire.encode_reduce(flat, op, TORCH.bitcast), t.dtype, op, TORCH.bitcast)
     return out if t.dim() == 1 else out.view(t.shape)
-
-
-def _leaves_out(r: Recipe, flat, transport: Transport, signature, sync: bool, to_cpu: bool):
-    """The output leaves (Python scalars as CPU tensors), and the verdict."""
-    if not r.buckets and r.guard is None:
-        return _empties(r, flat, [None] * len(flat.leaves), to_cpu), True
-    mine = None
-    if r.guard is not None:
-        assert signature is not None
-        mine = signature.header(r.guard, transport)
-    # (each stage's buffers are dropped once used: on XLA whatever is still
-    # referenced at the sync becomes a graph output of its own)
-    wires = _wires(r, flat, transport, mine)
-    if not sync and not transport.lazy:
-        return InFlight.started(r, flat, transport, signature, mine, wires), True
-    results, read = _start(r, transport, wires, signature, mine)
-    del wires
-    results = _complete(r, transport, results, read, signature, mine)
-    g = r.guard  # (a one-sided verdict's header is read after every collective)
-    late = _verdict.arrived(g, transport, results[0]) if g and g.when == "last" else None
-    out = _outputs(r, flat, transport, signature, mine, results, sync, to_cpu)
-    return out, late is None or (mine is not None and late == mine.wire)
 
 
 def _outputs(r: Recipe, flat, transport: Transport, signature, mine, results, sync: bool, to_cpu: bool):
