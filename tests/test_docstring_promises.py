@@ -7,8 +7,9 @@ error (its type and its whole text, or the text that tells it apart; on
 every replica where the docstring says so). The first tests here check
 that table: a promise without a row, or a row whose test is gone, fails.
 The others hold the clauses that no other file's test held (or held by
-the leaf's path alone); three of them are strict xfails, promises the code
-does not keep (the table says so).
+the leaf's path alone), three of them promises the code did not keep until
+these tests found them (a list as ``by_index``'s index, a group given without
+torch.distributed, ``LocalPool.run``'s argument count).
 """
 
 from __future__ import annotations
@@ -279,14 +280,11 @@ def test_by_index_refuses_an_index_that_is_not_a_1d_integer_tensor(index, shown)
     assert str(e.value) == f"index must be a 1-d integer tensor, got {shown}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not kept (issue 60): an index that is not a tensor raises AttributeError "
-    "('list' object has no attribute 'dim'), not the TypeError by_index's docstring promises",
-)
 def test_by_index_refuses_an_index_that_is_not_a_tensor():
     with pytest.raises(TypeError, match="^index must be a 1-d integer tensor"):
         xcoll.by_index({"x": torch.ones(2)}, [0, 1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^index must be a 1-d integer tensor, got torch.complex64"):
+        xcoll.by_index({"x": torch.ones(2)}, torch.zeros(2, dtype=torch.complex64))
 
 
 def test_by_index_refuses_an_unsupported_leaf_naming_its_path():
@@ -380,13 +378,6 @@ print(json.dumps(said))
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not kept (issue 60): with torch.distributed not initialised, rank(group) and "
-    "world_size(group) raise torch's ValueError ('Default process group has not been "
-    "initialized'), or, of a group used before it was destroyed, return its rank and size; "
-    "rank's docstring promises a RuntimeError",
-)
 @pytest.mark.parametrize("group", ["NON_GROUP_MEMBER", "destroyed"])
 @pytest.mark.parametrize("name", ["rank", "world_size"])
 def test_a_group_given_without_torch_distributed_raises_runtime_error(tmp_path, name, group):
@@ -399,11 +390,16 @@ def test_a_group_given_without_torch_distributed_raises_runtime_error(tmp_path, 
         script.write_text(_DESTROYED.replace("NAME", name))
         result = run(script, {"PYTHONPATH": str(ROOT)})
         assert result.returncode == 0, result.stderr[-3000:]
-        assert json.loads(result.stdout.splitlines()[-1])[0] == "RuntimeError"
+        said = json.loads(result.stdout.splitlines()[-1])
+        assert said[0] == "RuntimeError" and said[1].startswith(_NOT_INITIALISED), said
         return
     assert not dist.is_initialized()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError) as e:
         getattr(xcoll, name)(dist.GroupMember.NON_GROUP_MEMBER)
+    assert str(e.value).startswith(_NOT_INITIALISED)
+
+
+_NOT_INITIALISED = "group= is given, but torch.distributed is not initialised in this process"
 
 
 # ---- on every replica -----------------------------------------------------------
@@ -569,11 +565,6 @@ def test_xla_counters_without_torch_xla_raises_import_error(monkeypatch):
         xcoll.testing.xla_counters()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not kept (issue 60): LocalPool.run calls fn(per_rank_args[0]) whatever the "
-    "list's length; ReplicaPool.run's docstring, which it inherits, promises a ValueError",
-)
 def test_a_local_pool_refuses_per_rank_args_of_another_length():
     with pytest.raises(ValueError, match="entries for 1 replicas"):
         xcoll.testing.LocalPool().run(abs, [1, 2])

@@ -50,7 +50,9 @@ def by_index(tree: Any, index: torch.Tensor, *, dim: int = 0, length: int | None
     >>> by_index(gathered, gathered["index"], length=3)
     {'pred': tensor([10, 20, 30]), 'index': tensor([0, 1, 2])}
     """
-    if index.dim() != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"index must be a 1-d integer tensor, got {type(index).__qualname__}")
+    if index.dim() != 1 or index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         raise TypeError(
             f"index must be a 1-d integer tensor, got {index.dtype} of shape {tuple(index.shape)}"
         )

@@ -60,18 +60,25 @@ def check_group(group: Any) -> None:
     """Refuses a ``group=`` that is not a process group before anything uses
     it (a str there failed deep inside torch.distributed, as an AttributeError
     on ``.size``). ``NON_GROUP_MEMBER``, an int, passes: :class:`DistTransport`
-    names it."""
+    names it. A group given where torch.distributed is not initialised (never,
+    or no longer: a group kept past ``destroy_process_group`` would answer
+    with its old rank and size) is refused too."""
     if group is None:
         return
-    if isinstance(group, getattr(torch_dist, "ProcessGroup", ())):
-        return
     member = getattr(torch_dist, "GroupMember", None)
-    if isinstance(group, int) and group == getattr(member, "NON_GROUP_MEMBER", None):
-        return
-    raise TypeError(
-        "group must be a torch.distributed ProcessGroup (as dist.new_group returns) or None, "
-        f"got {type(group).__qualname__} {group!r:.80}"
-    )
+    if not isinstance(group, getattr(torch_dist, "ProcessGroup", ())) and not (
+        isinstance(group, int) and group == getattr(member, "NON_GROUP_MEMBER", None)
+    ):
+        raise TypeError(
+            "group must be a torch.distributed ProcessGroup (as dist.new_group returns) or None, "
+            f"got {type(group).__qualname__} {group!r:.80}"
+        )
+    if not torch_dist.is_initialized():
+        raise RuntimeError(
+            "group= is given, but torch.distributed is not initialised in this process "
+            "(dist.init_process_group was not called, or dist.destroy_process_group was): "
+            "a process group is usable only while its process group is initialised"
+        )
 
 
 def _alone(device: torch.device | None = None) -> Transport:

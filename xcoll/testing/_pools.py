@@ -133,6 +133,7 @@ class LocalPool(ReplicaPool):
         timeout: float | None = None,
         return_exceptions: bool = False,
     ) -> list[Any]:
+        _check_args(per_rank_args, 1)
         try:
             return [fn() if per_rank_args is None else fn(per_rank_args[0])]
         except Exception as e:
@@ -142,6 +143,13 @@ class LocalPool(ReplicaPool):
 
     def close(self) -> None:
         pass
+
+
+def _check_args(per_rank_args: Sequence[Any] | None, world_size: int) -> None:
+    """Refuses ``per_rank_args`` without one entry per replica (every pool's
+    :meth:`ReplicaPool.run`)."""
+    if per_rank_args is not None and len(per_rank_args) != world_size:
+        raise ValueError(f"per_rank_args has {len(per_rank_args)} entries for {world_size} replicas")
 
 
 def xla_cpu_env(world_size: int) -> dict[str, str]:
@@ -268,10 +276,7 @@ class _SpawnedPool(ReplicaPool):
 
     def _prepare(self, per_rank_args: Sequence[Any] | None) -> None:
         """Checks the arguments and (re)starts the workers if they are not running."""
-        if per_rank_args is not None and len(per_rank_args) != self.world_size:
-            raise ValueError(
-                f"per_rank_args has {len(per_rank_args)} entries for {self.world_size} replicas"
-            )
+        _check_args(per_rank_args, self.world_size)
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close(kill=True)
             self._start()
