@@ -1,9 +1,9 @@
-"""The guard header's verdict, exactly, for every dtype, op and world size:
+"""The guard header's verdict, exactly, for every dtype, reduction and world size:
 each replica's header combined as the engine combines it (in the wire form,
 in the wire dtype: integer sums wrap as the engine's do), then read by each
 replica against its own expectation. Equal fingerprints pass on every
 replica; any that differ pass on none. And the header's size: the same for
-every dtype of one width and every op but prod, and small."""
+every dtype of one width and every reduction but prod, and small."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ _REDUCED = sorted(_tree.SUPPORTED_DTYPES, key=str)  # every dtype a reduce takes
 _OP = {"gather": _ops.Gather(), "reduce": _ops.Reduce(), "broadcast": _ops.Broadcast()}
 
 
-def _guard(kind: str, dtype: torch.dtype, how: str, world: int) -> _header.Guard:
-    """The guard of collective ``kind`` whose header is combined by ``how``."""
-    return _header.guard(_OP[kind].carries, dtype, how, how == "sum", world, True)
+def _guard(kind: str, dtype: torch.dtype, reduction: str, world: int) -> _header.Guard:
+    """The guard of collective ``kind`` whose header is combined by ``reduction``."""
+    return _header.guard(_OP[kind].carries, dtype, reduction, reduction == "sum", world, True)
 
 
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
@@ -40,18 +40,18 @@ def _fingerprint(k: int) -> bytes:
     return hashlib.sha256(str(k).encode()).digest()
 
 
-def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> list[bool]:
+def _verdicts(kind: str, dtype: torch.dtype, reduction: str, prints: list[bytes]) -> list[bool]:
     """Per replica (one fingerprint each), whether its guard passes. (Each
     distinct fingerprint's header is built, encoded and read once: at W=255
     most replicas share one.)"""
     w = len(prints)
     distinct = list(dict.fromkeys(prints))
-    g = _guard(kind, dtype, how, w)
-    assert (g.dtype, g.how) == (dtype, how)
+    g = _guard(kind, dtype, reduction, w)
+    assert (g.dtype, g.reduction) == (dtype, reduction)
     headers = {p: _header._build(p, g) for p in distinct}
     if kind == "reduce":
         encoded = {
-            p: _wire.encode_reduce(h.part.clone(), how, TORCH.bitcast) for p, h in headers.items()
+            p: _wire.encode_reduce(h.part.clone(), reduction, TORCH.bitcast) for p, h in headers.items()
         }
     else:
         encoded = {p: _wire.encode_move(h.part, TORCH.bitcast) for p, h in headers.items()}
@@ -60,9 +60,9 @@ def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> l
         got = _header.as_bytes(torch.stack(wires))
         return [got == headers[p].wire for p in prints]
     # (one element at a time, in the wire dtype: an integer sum wraps as the engine's)
-    result = functools.reduce(_COMBINE["sum" if kind == "broadcast" else how], wires)
+    result = functools.reduce(_COMBINE["sum" if kind == "broadcast" else reduction], wires)
     decoded = (
-        _wire.decode_reduce(result.clone(), dtype, how, TORCH.bitcast)
+        _wire.decode_reduce(result.clone(), dtype, reduction, TORCH.bitcast)
         if kind == "reduce"
         else _wire.decode_move(result, dtype, TORCH.bitcast)
     )
@@ -73,7 +73,7 @@ def _verdicts(kind: str, dtype: torch.dtype, how: str, prints: list[bytes]) -> l
     return [wire_ok[p] for p in prints]
 
 
-def _ops(dtype: torch.dtype) -> list[str]:
+def _reductions(dtype: torch.dtype) -> list[str]:
     return ["max", "min"] if dtype == torch.bool else ["sum", "max", "min", "prod"]
 
 
@@ -117,28 +117,28 @@ def _every_verdict(prints: list[bytes]) -> None:
     ``prints`` are all one, else fail."""
     same = len(set(prints)) == 1
     cases = [("gather", torch.int32, ""), ("broadcast", torch.int32, "sum")]
-    cases += [("reduce", d, how) for d in _REDUCED for how in _ops(d)]
-    for kind, dtype, how in cases:
-        assert _verdicts(kind, dtype, how, prints) == [same] * len(prints), (kind, dtype, how)
+    cases += [("reduce", d, reduction) for d in _REDUCED for reduction in _reductions(d)]
+    for kind, dtype, reduction in cases:
+        assert _verdicts(kind, dtype, reduction, prints) == [same] * len(prints), (kind, dtype, reduction)
 
 
 def test_a_reduce_header_has_one_size_per_width_and_is_small():
-    """Replicas whose ops (prod aside) or dtypes of one width differ make
+    """Replicas whose reductions (prod aside) or dtypes of one width differ make
     collectives of one size; at W=4 a 4-byte bucket's header has 12
     elements, an 8-byte one's 6, a gather's 2 words."""
     for world in (1, 2, 4, 8, 255):
         for width in (1, 2, 4, 8):
             sizes = {
-                _header.alike_size(d, how, world)
+                _header.alike_size(d, reduction, world)
                 for d in _REDUCED
                 if d.itemsize == width
-                for how in _ops(d)
-                if how != "prod"
+                for reduction in _reductions(d)
+                if reduction != "prod"
             }
             assert len(sizes) == 1, (world, width, sizes)
     assert _header.alike_size(torch.float32, "sum", 4) == 12
     assert _header.alike_size(torch.int64, "max", 4) == 6
-    # each op's own values, before the padding to its width's size: k-bit
+    # each reduction's own values, before the padding to its width's size: k-bit
     # values as wide as the dtype holds exactly (sums: W (2**k - 1)**2 exactly)
     own = {
         (torch.float32, "sum"): 12,  # k = 11
@@ -150,8 +150,8 @@ def test_a_reduce_header_has_one_size_per_width_and_is_small():
         (torch.bool, "max"): 128,  # k = 1
         (torch.float16, "prod"): 128,  # bits and complements
     }
-    for (dtype, how), n in own.items():
-        assert len(_header._values(_fingerprint(0), dtype, how, 4)) == n, (dtype, how)
+    for (dtype, reduction), n in own.items():
+        assert len(_header._values(_fingerprint(0), dtype, reduction, 4)) == n, (dtype, reduction)
 
 
 _MANTISSA = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}

@@ -61,7 +61,7 @@ def _both(case):
     from xcoll._backends.base import TORCH
     from xcoll._backends.xla_kernels import XlaKernels
 
-    parts, dtypes, world, seed, ops, means, guard = case
+    parts, dtypes, world, seed, reductions, means, guard = case
     dev = torch_xla.device()
     xla = XlaKernels()
     shapes = [[tuple(p.shape) for p in bucket] for bucket in parts]
@@ -114,24 +114,24 @@ def _both(case):
         got["parts"] = [
             [_as_int(kernels, x) for x in kernels.parts(t, d, world)] for t in cuts for d in (0, 2)
         ]
-        encoded = kernels.encode_reduce(inputs, shapes, dtypes, ops)
+        encoded = kernels.encode_reduce(inputs, shapes, dtypes, reductions)
         got["encode_reduce"] = [_as_int(kernels, t) for t in encoded]
         # decoded from random wires: any bits an all-reduce could return
         reduced = [
-            _reduced(dtypes[k], ops[k], e.dtype, tuple(e.shape), seed + 3 * k).to(e.device)
+            _reduced(dtypes[k], reductions[k], e.dtype, tuple(e.shape), seed + 3 * k).to(e.device)
             for k, e in enumerate(encoded)
         ]
-        decoded = kernels.decode_reduce(reduced, dtypes, ops, means, world)
+        decoded = kernels.decode_reduce(reduced, dtypes, reductions, means, world)
         got["decode_reduce"] = [_as_int(kernels, t) for t in decoded]
     return out
 
 
-def _reduced(dtype, op, wire_dtype, shape, seed):
+def _reduced(dtype, reduction, wire_dtype, shape, seed):
     """Random bits an all-reduce of a bucket's wire could return. A float
     max/min travels as ordered keys (``_wire.encode_order``): keys of random
     floats, so that the decoded values hold NaN of any sign and payload (random
     keys decode to NaN too rarely)."""
-    if dtype.is_floating_point and op in ("max", "min"):
+    if dtype.is_floating_point and reduction in ("max", "min"):
         bits = _random_bits(dtype, shape, seed).view(wire_dtype)
         return torch.where(bits < 0, bits ^ torch.iinfo(wire_dtype).max, bits)
     return _random_bits(wire_dtype, shape, seed)
@@ -182,17 +182,17 @@ def _buckets(draw):
         if sum(p.numel() for p in bucket):
             parts.append(bucket)
             dtypes.append(dtype)
-    ops, means = [], []
+    reductions, means = [], []
     for bucket, dtype in zip(parts, dtypes, strict=True):
         n = sum(p.numel() for p in bucket)
         choices = ["max", "min"] if dtype == torch.bool else ["sum", "prod", "max", "min"]
         if dtype.is_floating_point and any(p.dtype != dtype for p in bucket):
             choices = ["sum", "prod"]
-        ops.append(draw(st.sampled_from(choices)))
+        reductions.append(draw(st.sampled_from(choices)))
         cut = sorted(draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
-        mean = dtype.is_floating_point and ops[-1] == "sum" and cut[0] < cut[1]
+        mean = dtype.is_floating_point and reductions[-1] == "sum" and cut[0] < cut[1]
         means.append(((cut[0], cut[1]),) if mean else ())
-    return parts, dtypes, draw(st.sampled_from([1, 2, 3])), seed, ops, means, guard
+    return parts, dtypes, draw(st.sampled_from([1, 2, 3])), seed, reductions, means, guard
 
 
 @PROPERTY
@@ -215,7 +215,7 @@ def test_xla_kernels_give_the_torch_kernels_bits(case):
     _compare(case)
 
 
-# Each dtype under ops whose kernels differ (float sums and products widen half
+# Each dtype under reductions whose kernels differ (float sums and products widen half
 # precision, float max/min travel as keys), and the merged buckets of each kind
 _EVERY = [
     (torch.float64, [torch.float64], ["sum", "max"]),
@@ -244,34 +244,34 @@ def _every_bucket(world: int, guard: int, seed: int):
     each of four parts of two sizes (two runs of equal slots), a float sum's
     elements divided by W in one of :data:`_MEANS`."""
     shapes = [(3,), (3,), (2, 2), (4,)]
-    parts, dtypes, ops, means = [], [], [], []
-    for dtype, own, bucket_ops in _EVERY:
-        for op in bucket_ops:
+    parts, dtypes, reductions, means = [], [], [], []
+    for dtype, own, bucket_reductions in _EVERY:
+        for reduction in bucket_reductions:
             k = len(parts)
             kinds = [own[j % len(own)] for j in range(len(shapes))]
             pairs = enumerate(zip(kinds, shapes, strict=True))
             parts.append([_random_bits(d, s, seed + 10 * k + j) for j, (d, s) in pairs])
             dtypes.append(dtype)
-            ops.append(op)
-            mean = dtype.is_floating_point and op == "sum"
+            reductions.append(reduction)
+            mean = dtype.is_floating_point and reduction == "sum"
             means.append(_MEANS[sum(1 for m in means if m) % len(_MEANS)] if mean else ())
-    return parts, dtypes, world, seed, ops, means, guard
+    return parts, dtypes, world, seed, reductions, means, guard
 
 
 @pytest.mark.parametrize("world,guard", [(2, 64), (3, 4)])
 def test_xla_kernels_give_the_torch_kernels_bits_for_every_dtype_and_op(world, guard):
     """Every kernel path once, whatever the examples drawn above (CI's derive
-    from the test's name, and can miss a dtype or an op)."""
+    from the test's name, and can miss a dtype or a reduction)."""
     _compare(_every_bucket(world, guard, seed=world))
 
 
 def _compare(case):
-    parts, dtypes, _, _, ops, _, _ = case
+    parts, dtypes, _, _, reductions, _, _ = case
     got = shared_pool("xla-cpu-1").run(_both, [case])[0]
     for k, x in enumerate(got["torch"]["decode_reduce"]):
         if dtypes[k].is_floating_point:  # every NaN the quiet NaN, whatever the inputs' were
             nan = torch.isnan(x.view(dtypes[k]))
-            assert torch.all(x[nan] == _quiet_bits(dtypes[k])), (k, dtypes[k], ops[k])
+            assert torch.all(x[nan] == _quiet_bits(dtypes[k])), (k, dtypes[k], reductions[k])
     for what in got["torch"]:
         for k, (a, b) in enumerate(zip(got["torch"][what], got["xla"][what], strict=True)):
             pairs = zip(a, b, strict=True) if isinstance(a, list) else [(a, b)]
@@ -283,14 +283,14 @@ def _compare(case):
                     assert torch.equal(x, y), (what, k, x, y)
                     continue
                 dtype = parts[k][j].dtype if what == "split" else dtypes[k]
-                arithmetic = (what == "decode_reduce" and ops[k] in ("sum", "prod")) or (
+                arithmetic = (what == "decode_reduce" and reductions[k] in ("sum", "prod")) or (
                     what in ("encode_reduce", "split") and merged
                 )
                 if dtype.is_floating_point and arithmetic:
                     # XLA:CPU's float arithmetic and conversions flush
                     # subnormals to zero (docs/design.md): compared as zeros
                     x, y = _flushed(x, dtype), _flushed(y, dtype)
-                if what == "encode_reduce" and ops[k] in ("sum", "prod"):
+                if what == "encode_reduce" and reductions[k] in ("sum", "prod"):
                     # a float sum's encoding (and a half-precision part's
                     # widening) may carry NaN payloads either way: decoding
                     # makes every NaN the quiet NaN
@@ -435,27 +435,27 @@ _FLOATS = [d for d in _DTYPES if d.is_floating_point]
 @settings(deadline=None)
 @given(
     dtype=st.sampled_from(_FLOATS),
-    op=st.sampled_from(["sum", "prod", "max", "min"]),
+    reduction=st.sampled_from(["sum", "prod", "max", "min"]),
     world=st.integers(1, 4),
     n=st.integers(1, 40),
     cut=st.lists(st.integers(0, 40), min_size=2, max_size=2).map(sorted),
     seed=st.integers(0, 2**20),
 )
 def test_torch_decode_reduce_makes_every_nan_quiet_and_divides_means(
-    dtype, op, world, n, cut, seed
+    dtype, reduction, world, n, cut, seed
 ):
     """Whatever the all-reduce returned: a float result's NaN is the quiet NaN
     ``float("nan")``, whatever its sign and payload; a max/min's keys decode to
     the floats they order; a mean's range is divided by W before rounding."""
     from xcoll._backends.base import TORCH
 
-    means = [(min(cut[0], n), min(cut[1], n))] if op == "sum" and cut[0] < min(cut[1], n) else []
-    wide = _wire.ACCUMULATE.get(dtype, dtype) if op in ("sum", "prod") else dtype
+    means = [(min(cut[0], n), min(cut[1], n))] if reduction == "sum" and cut[0] < min(cut[1], n) else []
+    wide = _wire.ACCUMULATE.get(dtype, dtype) if reduction in ("sum", "prod") else dtype
     values = _random_bits(wide, (n,), seed)  # NaN of any sign and payload, subnormals
     wire = values.clone()
-    if op in ("max", "min"):
-        wire = _reduced(dtype, op, _BITS[dtype], (n,), seed)
-    got = TORCH.decode_reduce([wire], [dtype], [op], [means], world)[0]
+    if reduction in ("max", "min"):
+        wire = _reduced(dtype, reduction, _BITS[dtype], (n,), seed)
+    got = TORCH.decode_reduce([wire], [dtype], [reduction], [means], world)[0]
     expected = values.clone()
     for a, z in means:
         expected[a:z] /= world

@@ -35,7 +35,7 @@ def _flags(**flags: Any) -> None:
             raise TypeError(f"{name} must be a bool (True or False), got {value!r:.80}")
 
 
-_OPS_NAMED = " ".join(f'"{o}"' for o in _ops.OPS)
+_REDUCTIONS_NAMED = " ".join(f'"{r}"' for r in _ops.REDUCTIONS)
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Mapping[Any, torch.Tensor])
@@ -318,7 +318,7 @@ def reduce(
     if op is None and tree is not None:  # (optree reads None as an empty tree, the prefix
         # of None alone: its own error named none of this)
         raise ValueError(
-            f"op must be one of {_OPS_NAMED}, or a prefix tree of them "
+            f"op must be one of {_REDUCTIONS_NAMED}, or a prefix tree of them "
             '(e.g. {"loss": "mean", "n": "sum"}), got None'
         )
     # (a tree of the input's structure and leaf types)

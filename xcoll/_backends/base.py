@@ -132,25 +132,26 @@ class Kernels:
         parts: Sequence[Sequence[torch.Tensor]],
         shapes: Sequence[Sequence[tuple[int, ...]]],
         dtypes: Sequence[torch.dtype],
-        ops: Sequence[str],
+        reductions: Sequence[str],
     ) -> list[torch.Tensor]:
         """Each bucket's ``parts`` packed (:meth:`pack`) in the form whose
-        all-reduce ``op`` gives the result (:func:`xcoll._encode.wire.encode_reduce`)."""
+        all-reduce by its reduction (``reductions``) gives the result
+        (:func:`xcoll._encode.wire.encode_reduce`)."""
         packed = self.pack(parts, shapes, dtypes)
-        return list(map(_wire.encode_reduce, packed, ops, itertools.repeat(self.bitcast)))
+        return list(map(_wire.encode_reduce, packed, reductions, itertools.repeat(self.bitcast)))
 
     def decode_reduce(
         self,
         outs: Sequence[torch.Tensor],
         dtypes: Sequence[torch.dtype],
-        ops: Sequence[str],
+        reductions: Sequence[str],
         means: Sequence[Sequence[tuple[int, int]]],
         world: int,
     ) -> list[torch.Tensor]:
         """Inverse of :meth:`encode_reduce` on the all-reduced buffers, means
         divided by ``world`` (:func:`xcoll._encode.wire.decode_reduce`)."""
         bitcast, worlds = itertools.repeat(self.bitcast), itertools.repeat(world)
-        return list(map(_wire.decode_reduce, outs, dtypes, ops, bitcast, means, worlds))
+        return list(map(_wire.decode_reduce, outs, dtypes, reductions, bitcast, means, worlds))
 
     def keep(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """A new tensor: ``t`` where the ``(1,)`` bool ``mask`` is true, zeros
@@ -257,12 +258,12 @@ class Transport(ABC):
         """``(n,)`` -> ``(W * n,)``: every replica's buffer, in rank order."""
 
     @abstractmethod
-    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
-        """Elementwise ``op`` ("sum", "prod", "max", "min") over all replicas."""
+    def all_reduce(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
+        """Elementwise ``reduction`` ("sum", "prod", "max", "min") over all replicas."""
 
     @abstractmethod
-    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
-        """``(W * n,)`` -> ``(n,)``: on replica ``r``, elementwise ``op``
+    def reduce_scatter(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
+        """``(W * n,)`` -> ``(n,)``: on replica ``r``, elementwise ``reduction``
         over every replica's ``r``-th ``n`` elements."""
 
     @abstractmethod
@@ -373,10 +374,10 @@ class LocalTransport(Transport):
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.clone()
 
-    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
         return buf.clone()
 
-    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+    def reduce_scatter(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
         return buf.clone()
 
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:

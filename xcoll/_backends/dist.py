@@ -30,7 +30,8 @@ from torch._C import _distributed_c10d as _c10d  # (the options of the group's c
 
 from .base import EngineError, Transport
 
-_OPS = {
+#: Each reduction's torch.distributed ReduceOp.
+_REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "prod": dist.ReduceOp.PRODUCT,
     "max": dist.ReduceOp.MAX,
@@ -51,9 +52,9 @@ def _options(cls: Any, **fields: Any) -> Any:
 
 
 # (made once: the process group reads them and keeps nothing)
-_REDUCE = {name: _options(_c10d.AllreduceOptions, reduceOp=op) for name, op in _OPS.items()}
+_REDUCE = {r: _options(_c10d.AllreduceOptions, reduceOp=o) for r, o in _REDUCE_OPS.items()}
 _GATHER = _options(_c10d.AllgatherOptions)
-_SCATTER = {name: _options(_c10d.ReduceScatterOptions, reduceOp=op) for name, op in _OPS.items()}
+_SCATTER = {r: _options(_c10d.ReduceScatterOptions, reduceOp=o) for r, o in _REDUCE_OPS.items()}
 _ALL_TO_ALL = _options(_c10d.AllToAllOptions)
 
 
@@ -162,23 +163,23 @@ class DistTransport(Transport):
         self._start(self._group()._allgather_base, out, buf, _GATHER)
         return out
 
-    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
         if buf.dtype in _WIDER:
             wide = buf.to(_WIDER[buf.dtype])
-            self.all_reduce(wide, op)
+            self.all_reduce(wide, reduction)
             self._after.append(lambda: buf.copy_(wide))  # int32 -> int16 wraps like int16
             return buf
-        self._start(self._group().allreduce, [buf], _REDUCE[op])
+        self._start(self._group().allreduce, [buf], _REDUCE[reduction])
         return buf
 
-    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+    def reduce_scatter(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
         if buf.dtype in _WIDER:
-            wide = self.reduce_scatter(buf.to(_WIDER[buf.dtype]), op)
+            wide = self.reduce_scatter(buf.to(_WIDER[buf.dtype]), reduction)
             out = buf.new_empty(wide.shape)
             self._after.append(lambda: out.copy_(wide))  # (wraps as the narrow dtype does)
             return out
         out = buf.new_empty(buf.shape[0] // self.world)
-        self._start(self._group()._reduce_scatter_base, out, buf, _SCATTER[op])
+        self._start(self._group()._reduce_scatter_base, out, buf, _SCATTER[reduction])
         return out
 
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:

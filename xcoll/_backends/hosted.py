@@ -13,7 +13,7 @@ difference on every replica.
 
 Each collective's result is made from the gathered rows on the host, as the
 engine would make it: a gather's rows in rank order; a reduce's rows folded
-in rank order by the engine's elementwise op (an all-to-all and a
+in rank order by the engine's reduction (an all-to-all and a
 reduce-scatter take the same of each row's part addressed to the replica) (its buffers are in the encoded
 form that makes that exact, :func:`xcoll._encode.wire.encode_reduce`); a
 broadcast's ``src`` row, its guard header summed over every row (as the
@@ -30,7 +30,7 @@ import torch
 from .._encode import pack as _pack
 from .base import Transport
 
-#: The engine's all-reduce ops, as the host folds a reduce's rows.
+#: The engine's reductions, as the host folds a reduce's rows.
 _FOLD: dict[str, Callable[..., torch.Tensor]] = {
     "sum": torch.add,
     "prod": torch.mul,
@@ -57,9 +57,9 @@ class Hosted(Transport):
         #: The exchange's result, once :meth:`flush` has started it.
         self._rows: torch.Tensor | None = None
         #: Per collective: its buffer, its result (filled by wait), how it
-        #: combines ("gather", "broadcast" or a reduce's op), src, guard, and
-        #: whether each replica takes only its part of each row (an
-        #: all-to-all's, a reduce-scatter's).
+        #: combines its rows (``combine``: "gather", "broadcast" or a reduce's
+        #: reduction), src, guard, and whether each replica takes only its
+        #: part of each row (an all-to-all's, a reduce-scatter's).
         self._sent: list[tuple[torch.Tensor, torch.Tensor, str, int, int, bool]] = []
 
     @property
@@ -85,11 +85,11 @@ class Hosted(Transport):
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         return self._later(buf, buf.new_empty(self.world * buf.numel()), "gather")
 
-    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
-        return self._later(buf, torch.empty_like(buf), op)
+    def all_reduce(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
+        return self._later(buf, torch.empty_like(buf), reduction)
 
-    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
-        return self._later(buf, buf.new_empty(buf.numel() // self.world), op, scatter=True)
+    def reduce_scatter(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
+        return self._later(buf, buf.new_empty(buf.numel() // self.world), reduction, scatter=True)
 
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
         return self._later(buf, torch.empty_like(buf), "gather", scatter=True)
@@ -97,8 +97,8 @@ class Hosted(Transport):
     def broadcast(self, buf: torch.Tensor, src: int, guard: int = 0) -> torch.Tensor:
         return self._later(buf, torch.empty_like(buf), "broadcast", src, guard)
 
-    def _later(self, buf, out, how: str, src: int = 0, guard: int = 0, scatter: bool = False):
-        self._sent.append((buf, out, how, src, guard, scatter))
+    def _later(self, buf, out, combine: str, src: int = 0, guard: int = 0, scatter: bool = False):
+        self._sent.append((buf, out, combine, src, guard, scatter))
         return out
 
     def flush(self) -> None:
@@ -122,20 +122,20 @@ class Hosted(Transport):
             self.engine.wait()
         rows = rows.view(self.world, -1)
         at = 0
-        for buf, out, how, src, guard, scatter in sent:
+        for buf, out, combine, src, guard, scatter in sent:
             n = buf.nbytes
             got = rows[:, at : at + n].contiguous().view(buf.dtype)
             at += n
             if scatter:  # (each row's part addressed to this replica)
                 got = got.view(self.world, self.world, -1)[:, self.rank()]
-            if how == "gather":
+            if combine == "gather":
                 out.copy_(got.reshape(-1))
-            elif how == "broadcast":
+            elif combine == "broadcast":
                 out.copy_(got[src])
                 if guard:
                     _fold(got[:, :guard], "sum", out[:guard])
             else:
-                _fold(got, how, out)
+                _fold(got, combine, out)
 
     @staticmethod
     def _joined(sent: list) -> torch.Tensor:
@@ -171,10 +171,10 @@ def _bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(torch.uint8)
 
 
-def _fold(rows: torch.Tensor, op: str, out: torch.Tensor) -> None:
-    """``out`` = ``op`` over ``rows`` (``(W, n)``), in rank order: the same
+def _fold(rows: torch.Tensor, reduction: str, out: torch.Tensor) -> None:
+    """``out`` = ``reduction`` over ``rows`` (``(W, n)``), in rank order: the same
     on every replica, which all hold the same rows."""
     out.copy_(rows[0])
-    fold = _FOLD[op]
+    fold = _FOLD[reduction]
     for k in range(1, rows.shape[0]):  # (indexed: a tensor's iterator is Python code)
         fold(out, rows[k], out=out)

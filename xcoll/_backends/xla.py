@@ -230,17 +230,17 @@ class XlaTransport(Transport):
         _xlac.reset_token(self.device)
         return _xlac.all_gather(buf, self.world)
 
-    def all_reduce(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
         if self.world == 1:  # (``buf`` is the call's own: nothing to reduce)
             return buf
         _xlac.reset_token(self.device)
-        return _xlac.all_reduce(buf, _REDUCE_TYPES[op])
+        return _xlac.all_reduce(buf, _REDUCE_TYPES[reduction])
 
-    def reduce_scatter(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+    def reduce_scatter(self, buf: torch.Tensor, reduction: str) -> torch.Tensor:
         if self.world == 1:
             return buf
         _xlac.reset_token(self.device)
-        return _xlac.reduce_scatter(buf, _REDUCE_TYPES[op], self.world, str(self.device))
+        return _xlac.reduce_scatter(buf, _REDUCE_TYPES[reduction], self.world, str(self.device))
 
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
         if self.world == 1:

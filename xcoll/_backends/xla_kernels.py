@@ -119,7 +119,7 @@ def _typed(raw, dtype: torch.dtype):
     return raw.reshape([w, n // dtype.itemsize, dtype.itemsize]).bitcast(_XLA_TYPES[dtype])
 
 
-def _encode_reduce(op, dtype: torch.dtype, how: str):
+def _encode_reduce(op, dtype: torch.dtype, reduction: str):
     """_wire.encode_reduce in an XLA computation: its constants are part of the
     computation (a Python scalar in a torch op on an XLA tensor would be device
     data that torch_xla caches by value and shares with equal scalars elsewhere,
@@ -129,9 +129,9 @@ def _encode_reduce(op, dtype: torch.dtype, how: str):
         return op.cast(xb.Type.U8)
     if not dtype.is_floating_point:
         return op
-    if how in ("max", "min"):
+    if reduction in ("max", "min"):
         bits = op.bitcast(_XLA_TYPES[_wire.BITS[dtype]])
-        bits = (op != op).select(bits.scalar_like(_wire.WINNING_NAN[dtype, how]), bits)
+        bits = (op != op).select(bits.scalar_like(_wire.WINNING_NAN[dtype, reduction]), bits)
         flipped = bits ^ bits.scalar_like(_wire.MAGNITUDE[_wire.BITS[dtype]])
         return (bits < bits.zeros_like()).select(flipped, bits)
     wide = _wire.ACCUMULATE.get(dtype, dtype)
@@ -144,7 +144,7 @@ def _encode_reduce(op, dtype: torch.dtype, how: str):
     return negative_zero.select(op.zeros_like(), op)
 
 
-def _decode_reduce(op, dtype: torch.dtype, how: str, means, divisor):
+def _decode_reduce(op, dtype: torch.dtype, reduction: str, means, divisor):
     """_wire.decode_reduce in an XLA computation. ``divisor`` (W, a parameter:
     XLA turns a division by a constant into a multiplication by its reciprocal,
     which is not correctly rounded when W is not a power of two)."""
@@ -152,7 +152,7 @@ def _decode_reduce(op, dtype: torch.dtype, how: str, means, divisor):
         return op != op.zeros_like()
     if not dtype.is_floating_point:
         return op
-    if how in ("max", "min"):
+    if reduction in ("max", "min"):
         flipped = op ^ op.scalar_like(_wire.MAGNITUDE[_wire.BITS[dtype]])
         op = (op < op.zeros_like()).select(flipped, op).bitcast(_XLA_TYPES[dtype])
     else:
@@ -211,13 +211,13 @@ class EncodeReduce(_Computation):
 
     NAME = "xcoll_encode_reduce"
     dtypes: tuple[torch.dtype, ...]
-    ops: tuple[str, ...]
+    reductions: tuple[str, ...]
     own: tuple[torch.dtype, ...]
     shapes: tuple[tuple[tuple[int, ...], ...], ...]
 
     def body(self, *params):
         out, at = [], 0
-        for dtype, how, bucket_shapes in zip(self.dtypes, self.ops, self.shapes, strict=True):
+        for dtype, reduction, bucket_shapes in zip(self.dtypes, self.reductions, self.shapes, strict=True):
             n = len(bucket_shapes)
             # (a narrower part, widened exactly: bool as 0/1)
             typed = [
@@ -228,7 +228,7 @@ class EncodeReduce(_Computation):
             # Bits become integers before the join: XLA:CPU may canonicalise
             # NaN payloads when it copies floats (bfloat16).
             wire = _join([_encode(q, dtype) for q in typed], bucket_shapes)
-            out.append(_encode_reduce(_decode(wire, dtype), dtype, how))
+            out.append(_encode_reduce(_decode(wire, dtype), dtype, reduction))
         return xb.Op.tuple(out)
 
 
@@ -353,7 +353,7 @@ class DecodeReduce(_Computation):
 
     NAME = "xcoll_decode_reduce"
     dtypes: tuple[torch.dtype, ...]
-    ops: tuple[str, ...]
+    reductions: tuple[str, ...]
     means: tuple[tuple[tuple[int, int], ...], ...]
     lengths: tuple[int, ...]
     wires: tuple[torch.dtype, ...]
@@ -368,9 +368,9 @@ class DecodeReduce(_Computation):
         by_dtype = dict(zip(self.divided, params[n:], strict=True))
         return xb.Op.tuple(
             [
-                _decode_reduce(p, d, how, m, by_dtype.get(o))
-                for p, o, d, how, m in zip(
-                    params[:n], self.wires, self.dtypes, self.ops, self.means, strict=True
+                _decode_reduce(p, d, reduction, m, by_dtype.get(o))
+                for p, o, d, reduction, m in zip(
+                    params[:n], self.wires, self.dtypes, self.reductions, self.means, strict=True
                 )
             ]
         )
@@ -503,7 +503,7 @@ class XlaKernels(Kernels):
     def parts(self, t, dim, world):
         return Parts(tuple(t.shape), t.dtype, dim, world)([t])
 
-    def encode_reduce(self, parts, shapes, dtypes, ops):
+    def encode_reduce(self, parts, shapes, dtypes, reductions):
         # packed and encoded in one computation: one graph node per call
         # (a bucket of many parts: of their chunks, :func:`_chunked`; a
         # chunk's buffer is a part of its bucket's dtype)
@@ -518,7 +518,7 @@ class XlaKernels(Kernels):
             flat = [t for p in parts for t in p]
             own = tuple(d for o in owns for d in o)
         shapes = tuple(tuple(tuple(s) for s in b) for b in shapes)
-        return EncodeReduce(tuple(dtypes), tuple(ops), own, shapes)(flat)
+        return EncodeReduce(tuple(dtypes), tuple(reductions), own, shapes)(flat)
 
     def join(self, segments, joined):
         if any(len(parts) > CHUNKED_FROM for parts in segments):
@@ -542,11 +542,11 @@ class XlaKernels(Kernels):
     def unjoin(self, result, joined, world, wire=False, skip=0):
         return Unjoin(joined, world or 1, wire)([result])[skip:]
 
-    def decode_reduce(self, outs, dtypes, ops, means, world):
+    def decode_reduce(self, outs, dtypes, reductions, means, world):
         wires = tuple(o.dtype for o in outs)
         means = tuple(tuple(m) for m in means)
         lengths = tuple(o.shape[0] for o in outs)
-        decode = DecodeReduce(tuple(dtypes), tuple(ops), means, lengths, wires)
+        decode = DecodeReduce(tuple(dtypes), tuple(reductions), means, lengths, wires)
         divisors = [_divisor(outs[0].device, d, world) for d in decode.divided]
         return decode([*outs, *divisors])
 

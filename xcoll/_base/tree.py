@@ -324,7 +324,7 @@ def to_python(value: torch.Tensor, like: bool | int | float) -> bool | int | flo
 
 
 def prefix_key(prefix: Any) -> Hashable:
-    """A key for a prefix tree (e.g. of op names) that hashes whenever its
+    """A key for a prefix tree (e.g. of reductions) that hashes whenever its
     leaves do: the str itself, or its treespec and leaves."""
     if isinstance(prefix, str):
         return prefix
@@ -333,7 +333,7 @@ def prefix_key(prefix: Any) -> Hashable:
 
 
 def broadcast_prefix(prefix: Any, flat: Flat, what: str) -> list[Any]:
-    """Expands a prefix tree (e.g. of op names) to one entry per leaf of ``flat``."""
+    """Expands a prefix tree (e.g. of reductions) to one entry per leaf of ``flat``."""
     if isinstance(prefix, str):
         return [prefix] * len(flat.leaves)
     # against a skeleton of the tree (leaf indices): the tree is flattened once per call

@@ -11,7 +11,7 @@ no computation after its collectives).
 
 A world of one (on XLA, one whose outputs go to the host) makes no
 collective: each is an identity, so each output is its leaf's own copy,
-through the op's encoding and back (:func:`_identity`); on XLA the copies
+through its reduction's encoding and back (a reduce's: :func:`_identity`); on XLA the copies
 are the call's one fetch, after its one sync. Packing, a program and a
 split would cost more than everything else the call does.
 
@@ -110,19 +110,19 @@ def _untravelled(r: Recipe, flat, transport: Transport, to_cpu: bool) -> Any:
 def _identity(r: Recipe, flat, transport: Transport, to_cpu: bool) -> list[Any]:
     """The output leaves of a world of one (Python scalars as CPU tensors):
     each its leaf's own copy (fetched from a lazy engine), in the shape the
-    collective gives, through the op's encoding and back (a reduce's NaN is
+    collective gives, through its reduction's encoding and back (a reduce's NaN is
     the quiet NaN, its sum's -0.0 is +0.0, as in any world)."""
     out: list[Any] = [None] * len(flat.leaves)
     sent = r.tensor_leaves
     for leaf, copy in zip(sent, _copies(transport, [flat.leaves[i] for i in sent], to_cpu), strict=True):
         out[leaf] = copy
     for k, b in enumerate(r.buckets):
-        op = r.ops[k] if r.ops else ""
+        reduction = r.reductions[k] if r.reductions else ""
         for leaf, shape in zip(b.tensor_leaves, r.shapes[k], strict=False):
-            t = _encoded_and_back(out[leaf], op)
+            t = _encoded_and_back(out[leaf], reduction)
             out[leaf] = r.op.finish(r, leaf, t if t.shape == shape else t.reshape(shape))
         for s in b.scalars:
-            out[s.leaf] = _encoded_and_back(r.op.scalar(flat.leaves[s.leaf], b.dtype), op)
+            out[s.leaf] = _encoded_and_back(r.op.scalar(flat.leaves[s.leaf], b.dtype), reduction)
     return _empties(r, flat, out, to_cpu)
 
 
@@ -157,12 +157,12 @@ def _copies(transport: Transport, tensors: list[torch.Tensor], to_cpu: bool) -> 
     ]
 
 
-def _encoded_and_back(t: torch.Tensor, op: str) -> torch.Tensor:
-    """A reduce's ``t`` (consumed) as one replica's all-reduce ``op`` gives it."""
-    if not op or not t.is_floating_point():  # (integers and bools are their own encoding)
+def _encoded_and_back(t: torch.Tensor, reduction: str) -> torch.Tensor:
+    """A reduce's ``t`` (consumed) as one replica's all-reduce by ``reduction`` gives it."""
+    if not reduction or not t.is_floating_point():  # (integers and bools are their own encoding)
         return t
     flat = t if t.dim() == 1 else t.reshape(-1)
-    out = _wire.decode_reduce(_wire.encode_reduce(flat, op, TORCH.bitcast), t.dtype, op, TORCH.bitcast)
+    out = _wire.decode_reduce(_wire.encode_reduce(flat, reduction, TORCH.bitcast), t.dtype, reduction, TORCH.bitcast)
     return out if t.dim() == 1 else out.view(t.shape)
 
 
@@ -200,14 +200,14 @@ def _outputs(r: Recipe, flat, transport: Transport, signature, mine, results, sy
     return out
 
 
-def _exact_ints(flat, scalars, values: list[int], how: str, out: list[Any]) -> None:
+def _exact_ints(flat, scalars, values: list[int], reduction: str, out: list[Any]) -> None:
     """A reduce's Python ints, each read back from its reduced parts
     (:func:`xcoll._encode.pack.int_value`): exact, or an OverflowError for a
     product that may not fit, the same on every replica (every replica holds
     the same reduced parts)."""
-    n = _pack.WIDTH[how]
+    n = _pack.WIDTH[reduction]
     for leaf, j in scalars:
-        value = _pack.int_value(values[j : j + n], how)
+        value = _pack.int_value(values[j : j + n], reduction)
         if value is None:
             raise OverflowError(
                 f"{flat.path(leaf)}: the product of the replicas' Python ints may not fit "

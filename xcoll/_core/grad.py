@@ -10,7 +10,7 @@ gradients:
   replica's own rows: a reduce-scatter sum of the output gradients, each
   with its replicas' axis moved first;
 * reduce: sum, the all-reduce sum of the output gradients; mean, their mean
-  (the sum divided by W). Other ops raise (:class:`xcoll._core.ops.Reduce`);
+  (the sum divided by W). Other reductions raise (:class:`xcoll._core.ops.Reduce`);
 * broadcast: the sum of the output gradients on ``src``, zeros elsewhere;
 * an uneven gather: its own rows of the all-reduce sum of the output
   gradients, found by the sizes that its forward exchanged (its backward's

@@ -3,7 +3,7 @@ the :class:`Recipe` that :mod:`xcoll._core.execute` runs straight through.
 
 A plan depends on the op's parameters, the world size and the tree's
 signature (:attr:`xcoll._base.tree.Flat.key`); a recipe adds what the engine and
-the mode decide: the guard header (its dtype, how the collective combines it,
+the mode decide: the guard header (its dtype, the reduction the collective combines it by,
 its size and when its verdict is read: :class:`xcoll._guard.header.Guard`), which buckets travel, joined or alone,
 and every shape, cast and mean range the executor needs. Both are frozen and
 cached (a plan in ``_call``'s cache, its recipes on the plan), so a repeated
@@ -44,8 +44,8 @@ class Plan:
     moved: Mapping[int, int] = field(default_factory=dict)
     #: Reduce: per bucket, the ranges of mean elements (divided by W).
     means: tuple[tuple[tuple[int, int], ...], ...] = ()
-    #: Reduce: per bucket, its all-reduce op.
-    ops: tuple[str, ...] = ()
+    #: Reduce: per bucket, the engine's reduction its all-reduce makes.
+    reductions: tuple[str, ...] = ()
     #: Its recipes, by what else they depend on (:meth:`xcoll._core.ops.Packed.recipe`).
     recipes: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -92,8 +92,8 @@ class Recipe:
     buckets: tuple[_pack.Bucket, ...]
     #: Each bucket's dtype.
     dtypes: tuple[torch.dtype, ...]
-    #: Reduce: each bucket's all-reduce op.
-    ops: tuple[str, ...]
+    #: Reduce: each bucket's reduction (its all-reduce's).
+    reductions: tuple[str, ...]
     #: Each bucket's parts' shapes, output pieces' shapes, casts (empty where
     #: no piece is cast) and mean ranges, the header (a reduce's) as bucket
     #: 0's first part.
@@ -114,9 +114,9 @@ class Recipe:
     moved: Mapping[int, int]
     #: The Python scalars of each bucket that has some: (leaf, position in its block).
     scalars: tuple[tuple[tuple[int, int], ...], ...]
-    #: Of each bucket that has Python scalars: how its Python ints are read
-    #: back from their parts (:attr:`xcoll._encode.pack.Bucket.exact`: "sum",
-    #: "prod"; "": each is its block's element at its position).
+    #: Of each bucket that has Python scalars: the reduction its Python ints
+    #: are read back from their parts by (:attr:`xcoll._encode.pack.Bucket.exact`:
+    #: "sum", "prod"; "": each is its block's element at its position).
     ints: tuple[str, ...] = ()
     #: A world of one (outputs to the host, on a lazy engine): every
     #: collective is an identity, so each output is its leaf's own copy
@@ -142,15 +142,15 @@ class Recipe:
         return tuple(leaf for b in self.buckets for leaf in b.tensor_leaves)
 
 
-def _nbytes(joined: _pack.Joined | None, buckets, ops, part_shapes) -> int:
+def _nbytes(joined: _pack.Joined | None, buckets, reductions, part_shapes) -> int:
     """The bytes that a lazy engine's collectives send, the header included:
     a move's joined buffer (nothing travels alone there), or a reduce's
     encoded buckets."""
-    if not ops:
+    if not reductions:
         return joined.words * 4 if joined is not None else 0
     return sum(
-        sum(math.prod(s) for s in shapes) * _wire.reduced_dtype(b.dtype, op).itemsize
-        for b, op, shapes in zip(buckets, ops, part_shapes, strict=True)
+        sum(math.prod(s) for s in shapes) * _wire.reduced_dtype(b.dtype, reduction).itemsize
+        for b, reduction, shapes in zip(buckets, reductions, part_shapes, strict=True)
     )
 
 
@@ -183,10 +183,10 @@ def build(
         means[0] = tuple((a + g.size, z + g.size) for a, z in means[0])
     apart = _apart(b, live, alone) if joined else ()
     layout = _joined(b, live, apart, g) if joined else None
-    ops = tuple(plan.ops[k] for k in live) if plan.ops else ()
+    reductions = tuple(plan.reductions[k] for k in live) if plan.reductions else ()
     segments = world if op.scatters else 1
     early = g is not None and g.when == "first"
-    small = _nbytes(layout, [b[k] for k in live], ops, part_shapes) * segments <= _pack.SMALL
+    small = _nbytes(layout, [b[k] for k in live], reductions, part_shapes) * segments <= _pack.SMALL
     return Recipe(
         op=op,
         world=world,
@@ -194,7 +194,7 @@ def build(
         segments=segments,
         buckets=tuple(b[k] for k in live),
         dtypes=tuple(b[k].dtype for k in live),
-        ops=ops,
+        reductions=reductions,
         part_shapes=tuple(part_shapes),
         shapes=tuple(shapes),
         casts=tuple(casts) if any(any(c) for c in casts) else (),
@@ -213,19 +213,19 @@ def build(
         ints=tuple(b[k].exact for k in live if b[k].scalars),
         identity=identity,
         hosted=lazy and world > 1 and not identity and small,
-        first=_first(layout, [b[k] for k in live], ops, part_shapes) if early else (0, 0),
+        first=_first(layout, [b[k] for k in live], reductions, part_shapes) if early else (0, 0),
         early=early,
     )
 
 
-def _first(joined: _pack.Joined | None, buckets, ops, part_shapes) -> tuple[int, int]:
+def _first(joined: _pack.Joined | None, buckets, reductions, part_shapes) -> tuple[int, int]:
     """:attr:`Recipe.first`: a move's joined buffer (int32 words; the header
     makes one), or a reduce's bucket 0, encoded."""
     if joined is not None:
         n, size = joined.words, 4
     else:
         n = sum(math.prod(s) for s in part_shapes[0])
-        size = _wire.reduced_dtype(buckets[0].dtype, ops[0]).itemsize
+        size = _wire.reduced_dtype(buckets[0].dtype, reductions[0]).itemsize
     return n, _pack.SMALL // size if n * size <= _pack.SMALL else 0
 
 

@@ -33,8 +33,8 @@ class Slot:
         return numel(self.shape)
 
 
-#: Elements each Python int of a reduce's int64 sum or product travels as
-#: (:attr:`Bucket.exact`): its parts (:func:`int_parts`).
+#: Elements each Python int of a reduce's int64 sum or product travels as,
+#: by reduction (:attr:`Bucket.exact`): its parts (:func:`int_parts`).
 WIDTH = {"sum": 2, "prod": 3}
 
 
@@ -48,7 +48,7 @@ class Bucket:
     tensors: list[Slot] = field(default_factory=list)
     scalars: list[Slot] = field(default_factory=list)
     size: int = 0
-    #: "sum" or "prod" where each Python scalar travels as a slot of shape
+    #: The reduction, "sum" or "prod", where each Python scalar travels as a slot of shape
     #: ``(WIDTH[exact],)`` (a reduce's int64 sum or product: :func:`int_parts`);
     #: "" otherwise (one element each, of shape ``()``).
     exact: str = ""
@@ -427,8 +427,8 @@ _TOP = 1 << 63  # (2**63: one past int64's largest value)
 _WRAP = 1 << 64
 
 
-def int_parts(value: int, how: str) -> tuple[int, ...]:
-    """A Python int (in int64) as the int64 elements whose all-reduce ``how``
+def int_parts(value: int, reduction: str) -> tuple[int, ...]:
+    """A Python int (in int64) as the int64 elements whose all-reduce by ``reduction``
     gives the exact result back (:func:`int_value`).
 
     * sum: two limbs, ``value & (2**32 - 1)`` and ``value >> 32``: summed over
@@ -443,21 +443,21 @@ def int_parts(value: int, how: str) -> tuple[int, ...]:
     >>> int_parts(-1, "sum"), int_parts(-5, "prod"), int_parts(2**62 + 1, "prod")
     ((4294967295, -1), (-5, 8, -1), (4611686018427387905, -9223372036854775808, 1))
     """
-    if how == "sum":
+    if reduction == "sum":
         return value & _LOW, value >> 32
     bound = 1 << (abs(value) - 1).bit_length() if value else 1
     return value, bound if bound < _TOP else -_TOP, (value > 0) - (value < 0)
 
 
-def int_value(parts: Sequence[int], how: str) -> int | None:
-    """The exact result of the all-reduce ``how`` of :func:`int_parts`, from
+def int_value(parts: Sequence[int], reduction: str) -> int | None:
+    """The exact result of the all-reduce by ``reduction`` of :func:`int_parts`, from
     the reduced ``parts``; None for a product that may not fit in 64 bits
     (its factors' bounds multiply past 2**63: the wrapped product cannot tell).
 
     >>> int_value([2 * 4294967295, -2], "sum"), int_value([-(2**63), 0, 1], "prod")
     (-2, None)
     """
-    if how == "sum":
+    if reduction == "sum":
         return (parts[1] << 32) + parts[0]
     product, bound, sign = parts
     if not sign:  # (a zero factor: the wrapped product is 0 too, and exact)

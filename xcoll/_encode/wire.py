@@ -7,7 +7,7 @@ the front of one collective's result turns later collectives of the same graph
 into NaN. An integer collective changes nothing. Bools travel as uint8.
 
 max/min of floats travel as integer keys that sort like the floats (IEEE total
-order), with every NaN replaced by the NaN that wins the op, so NaN propagates as
+order), with every NaN replaced by the NaN that wins the reduction, so NaN propagates as
 in ``torch.maximum``/``torch.minimum``. XLA's float max/min drops NaN, and
 integer max/min is the same on every backend.
 
@@ -41,9 +41,11 @@ def _nan_bits(dtype: torch.dtype, negative: bool) -> int:
     return positive - (1 << width) + (1 << (width - 1)) if negative else positive
 
 
-#: The NaN each op lets win, as integer bits: +NaN is the largest key, -NaN the smallest.
+#: The NaN each reduction lets win, as integer bits: +NaN is the largest key, -NaN the smallest.
 WINNING_NAN = {
-    (dtype, op): _nan_bits(dtype, negative=(op == "min")) for dtype in BITS for op in ("max", "min")
+    (dtype, reduction): _nan_bits(dtype, negative=(reduction == "min"))
+    for dtype in BITS
+    for reduction in ("max", "min")
 }
 MAGNITUDE = {d: torch.iinfo(d).max for d in set(BITS.values())}
 
@@ -88,17 +90,17 @@ def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
     return list(t.split(_CHUNK)) if t.shape[0] > _CHUNK else [t]
 
 
-def reduced_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
-    """The dtype in which :func:`encode_reduce` sends ``dtype`` for ``op``."""
+def reduced_dtype(dtype: torch.dtype, reduction: str) -> torch.dtype:
+    """The dtype in which :func:`encode_reduce` sends ``dtype`` for ``reduction``."""
     if dtype == torch.bool:
         return torch.uint8
     if dtype.is_floating_point:
-        return BITS[dtype] if op in ("max", "min") else ACCUMULATE.get(dtype, dtype)
+        return BITS[dtype] if reduction in ("max", "min") else ACCUMULATE.get(dtype, dtype)
     return dtype
 
 
-def encode_reduce(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
-    """``buf`` in the form whose integer or float all-reduce ``op`` gives the
+def encode_reduce(buf: torch.Tensor, reduction: str, bitcast: Bitcast) -> torch.Tensor:
+    """``buf`` in the form whose integer or float all-reduce by ``reduction`` gives the
     result: bools as uint8 (max = any, min = all), float max/min as ordered keys,
     float sums and products with -0.0 as +0.0, half precision in float32.
 
@@ -108,10 +110,10 @@ def encode_reduce(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
     if buf.dtype == torch.bool:
         return buf.view(torch.uint8)  # (a bool is stored as the byte 0 or 1)
     if buf.dtype.is_floating_point:
-        if op in ("max", "min"):
+        if reduction in ("max", "min"):
             keys = bitcast(buf, BITS[buf.dtype])
             for k, x in zip(_chunks(keys), _chunks(buf), strict=True):
-                k.copy_(encode_order(x, op, bitcast))
+                k.copy_(encode_order(x, reduction, bitcast))
             return keys
         # + 0.0 turns -0.0 into +0.0 and changes nothing else. torch_xla's
         # collective token does exactly this to every input, so doing it on every
@@ -124,7 +126,7 @@ def encode_reduce(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
 def decode_reduce(
     out: torch.Tensor,
     dtype: torch.dtype,
-    op: str,
+    reduction: str,
     bitcast: Bitcast,
     means: Sequence[tuple[int, int]] = (),
     world: int = 1,
@@ -140,7 +142,7 @@ def decode_reduce(
         return out != 0
     if not dtype.is_floating_point:
         return out if out.dtype == dtype else out.to(dtype)
-    if op in ("max", "min"):
+    if reduction in ("max", "min"):
         for k in _chunks(out):
             k.copy_(_flip(k))
         out = bitcast(out, dtype)
@@ -173,10 +175,10 @@ def _flip(bits: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ MAGNITUDE[bits.dtype], bits)
 
 
-def encode_order(buf: torch.Tensor, op: str, bitcast: Bitcast) -> torch.Tensor:
-    """Float ``buf`` as integer keys whose integer ``op`` ("max"/"min") is the
-    float op with NaN propagating."""
-    bits = bitcast(buf, BITS[buf.dtype]).masked_fill(torch.isnan(buf), WINNING_NAN[buf.dtype, op])
+def encode_order(buf: torch.Tensor, reduction: str, bitcast: Bitcast) -> torch.Tensor:
+    """Float ``buf`` as integer keys whose integer ``reduction`` ("max"/"min") is the
+    float reduction with NaN propagating."""
+    bits = bitcast(buf, BITS[buf.dtype]).masked_fill(torch.isnan(buf), WINNING_NAN[buf.dtype, reduction])
     return _flip(bits)
 
 

@@ -1,9 +1,10 @@
 """Cross-replica consistency check: a clear error on every replica instead of a
 hang or silently wrong data when replicas make different calls.
 
-Before a call communicates, every replica describes it (function, op, src,
-tree structure, each leaf's path, dtype and shape, or the local error that
-stopped it) and exchanges a 32-byte SHA-256 of that description: the same size
+Before a call communicates, every replica describes it (function, parameters,
+tree structure, each leaf's path, dtype and shape (a reduce's: and its
+reduction), or the local error that stopped it) and exchanges a 32-byte
+SHA-256 of that description: the same size
 on every replica, whatever their trees, so the exchange itself cannot hang on
 mismatched input. It runs on its own (on XLA, a graph of just the exchange: the
 caller's pending work differs between replicas exactly when their calls do). If
@@ -161,10 +162,11 @@ class Description:
 def describe(
     flat: _tree.Flat,
     uneven_dims: dict[int, int] | None = None,
-    ops: Sequence[str] | None = None,
+    reductions: Sequence[str] | None = None,
 ) -> Description:
     """One line per leaf (path, dtype and shape, an uneven leaf's growing dim
-    as *, its op), then the tree's structure. Object addresses (a function as
+    as *, a reduce's leaf's reduction, shown as ``op=``, the public argument's
+    name), then the tree's structure. Object addresses (a function as
     a dict key, a defaultdict's factory) differ between processes and are
     left out."""
     lines = []
@@ -176,7 +178,7 @@ def describe(
             what = f"{str(leaf.dtype).removeprefix('torch.')} tensor of shape ({', '.join(map(str, shape))})"
         else:
             what = f"Python {type(leaf).__name__}"
-        lines.append(f"{path}: {what}" + (f" op={ops[i]}" if ops else ""))
+        lines.append(f"{path}: {what}" + (f" op={reductions[i]}" if reductions else ""))
     lines.append(f"structure: {flat.treespec}")
     return Description(tuple(_tree.ADDRESS.sub("", line) for line in lines))
 
@@ -285,7 +287,7 @@ def _lacks(mine: list[str], theirs: list[str], me: str, them: str) -> str:
 def _parts(lines: list[str]) -> tuple[list[str], dict[str, None]]:
     """A description's header lines (before its first leaf) and its leaves'
     paths, in order. A leaf's line is ``path: what``: ``what`` (a dtype and
-    shape, a Python type, an op) holds no ": ", its path may."""
+    shape, a Python type, a reduction) holds no ": ", its path may."""
     leaves = [k for k, line in enumerate(lines) if line.startswith("tree")]
     end = leaves[0] if leaves else len(lines) - 1
     return lines[:end], {lines[k].rsplit(": ", 1)[0]: None for k in leaves}

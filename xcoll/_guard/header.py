@@ -3,7 +3,7 @@ the call, and every replica checks what arrived before it returns anything
 (the verdict's error: :mod:`~xcoll._guard.verdict`).
 
 The fingerprint is 64 bits of the SHA-256 of the call's signature (function,
-parameters, every leaf's path, dtype, shape and op, the tree structure), the
+parameters, every leaf's path, dtype, shape and reduction, the tree structure), the
 same digest the full consistency check compares, so it costs nothing per call
 once the plan is cached. It travels as a header at the front of the call's
 first bucket, in that bucket's dtype, inside the collective the call makes
@@ -39,8 +39,8 @@ collective's arithmetic allows (:func:`own_size`, :func:`alike_size`): small red
   v) = c - v`` only if ``min v = max v``; the same for min.
 * prod: each bit ``b`` and ``1 - b``: ``prod`` of bits is their min.
 
-Whatever op each replica asked for, a differing value gives no replica its
-expected pattern (an op that differs is in the fingerprint too).
+Whatever reduction each replica asked for, a differing value gives no replica its
+expected pattern (a reduction that differs is in the fingerprint too).
 
 The header goes at the front: where an engine delivers part of a larger
 buffer (gloo, when sizes differ), the front is what arrives.
@@ -95,7 +95,7 @@ class Signature:
         if self.tag:  # (a tagged call's fingerprint is a digest made per call)
             return _on(transport, _build(self.fingerprint(), g))
         # (the guard's fields, not the guard: a dataclass's hash is a Python call)
-        d, kind = self.description.digest, (g.carries, g.dtype, g.how, g.world)
+        d, kind = self.description.digest, (g.carries, g.dtype, g.reduction, g.world)
         key = (self.name, self.head, d, *kind, transport.device)
         return _headers.hit(key) or _headers.get(
             key, lambda: _on(transport, _build(self.fingerprint(), g))
@@ -107,7 +107,7 @@ class Signature:
 #: int32 words, in rank order (a gather, an all-to-all); "broadcast",
 #: ``src``'s int32 words, or their sum over every replica where the engine
 #: sums a broadcast's header; "reduced", at the front of bucket 0, in its
-#: dtype, combined by its all-reduce op (a reduce, a reduce-scatter).
+#: dtype, combined by its all-reduce's reduction (a reduce, a reduce-scatter).
 CARRIES = ("gathered", "broadcast", "reduced")
 
 
@@ -119,9 +119,10 @@ class Guard:
     #: How the collective carries it (:data:`CARRIES`).
     carries: str
     dtype: torch.dtype
-    #: How the collective combines it (:func:`own_size`): the all-reduce's
-    #: op, "sum" for a broadcast that sums, "" where its bytes arrive as sent.
-    how: str
+    #: The reduction the collective combines it by (:func:`own_size`): the
+    #: all-reduce's, "sum" for a broadcast that sums, "" where its bytes
+    #: arrive as sent.
+    reduction: str
     size: int
     #: When the verdict is read: "first" (eager engines: the first
     #: collective's header, downloaded before the others start), "last" (a
@@ -137,11 +138,12 @@ class Guard:
         return self.world if self.carries == "gathered" else 1
 
 
-def guard(carries: str, dtype: torch.dtype, op: str, sums: bool, world: int, lazy: bool) -> Guard:
+def guard(carries: str, dtype: torch.dtype, reduction: str, sums: bool, world: int, lazy: bool) -> Guard:
     """The :class:`Guard` of a collective that carries its header as
     ``carries`` says, at ``world`` replicas, on a ``lazy`` engine or an eager
-    one; ``dtype`` and ``op``: its bucket 0's dtype and all-reduce op (a
-    "reduced" header's); ``sums``: whether the engine's broadcast sums its header.
+    one; ``dtype`` and ``reduction``: its bucket 0's dtype and its
+    all-reduce's reduction (a "reduced" header's); ``sums``: whether the
+    engine's broadcast sums its header.
 
     Raises:
         ValueError: ``carries`` is not one of :data:`CARRIES` (a collective
@@ -150,42 +152,42 @@ def guard(carries: str, dtype: torch.dtype, op: str, sums: bool, world: int, laz
     if carries not in CARRIES:
         raise ValueError(f"a collective carries its guard header as one of {CARRIES}, not {carries!r}")
     if carries == "reduced":
-        how, size = op, alike_size(dtype, op, world)
+        size = alike_size(dtype, reduction, world)
     else:
-        how = "sum" if carries == "broadcast" and sums else ""
-        dtype, size = torch.int32, own_size(torch.int32, how, world)
-    one_sided = carries == "broadcast" and not how  # (only the receivers learn it)
+        reduction = "sum" if carries == "broadcast" and sums else ""
+        dtype, size = torch.int32, own_size(torch.int32, reduction, world)
+    one_sided = carries == "broadcast" and not reduction  # (only the receivers learn it)
     when = "outputs" if lazy else "last" if one_sided else "first"
-    return Guard(carries, dtype, how, size, when, world)
+    return Guard(carries, dtype, reduction, size, when, world)
 
 
 _fingerprints: _memo.Memo[bytes] = _memo.Memo()
 
 
 @functools.cache
-def own_size(dtype: torch.dtype, how: str, world: int) -> int:
+def own_size(dtype: torch.dtype, reduction: str, world: int) -> int:
     """The number of header values (:func:`_values`) in a bucket of ``dtype``
-    combined by ``how`` at ``world`` replicas."""
-    return len(_values(_ZERO, dtype, how, world))
+    combined by ``reduction`` at ``world`` replicas."""
+    return len(_values(_ZERO, dtype, reduction, world))
 
 
 @functools.cache
-def alike_size(dtype: torch.dtype, how: str, world: int) -> int:
+def alike_size(dtype: torch.dtype, reduction: str, world: int) -> int:
     """A reduce's header size: it depends on the dtype's width alone, except
-    for prod, so that replicas whose dtypes of one width or whose ops (prod
-    aside) differ still make collectives of one size, which the verdict
+    for prod, so that replicas whose dtypes of one width or whose reductions
+    (prod aside) differ still make collectives of one size, which the verdict
     names, instead of the engine's failure."""
-    if how == "prod":
-        return own_size(dtype, how, world)
+    if reduction == "prod":
+        return own_size(dtype, reduction, world)
     alike = [d for d in _tree.SUPPORTED_DTYPES if d.itemsize == dtype.itemsize]
-    return max(own_size(d, h, world) for d in alike for h in _OPS)
+    return max(own_size(d, r, world) for d in alike for r in _REDUCTIONS)
 
 
 _ZERO = bytes(BITS // 8)
-_OPS = ("sum", "max", "min")
+_REDUCTIONS = ("sum", "max", "min")
 
 
-def _width(dtype: torch.dtype, how: str, world: int) -> int:
+def _width(dtype: torch.dtype, reduction: str, world: int) -> int:
     """The bits of the fingerprint per header value of a reduce (:func:`_values`)."""
     exact = (  # the largest integer up to which dtype holds every integer
         2 * round(1 / torch.finfo(dtype).eps)
@@ -194,7 +196,7 @@ def _width(dtype: torch.dtype, how: str, world: int) -> int:
         if dtype == torch.bool
         else torch.iinfo(dtype).max
     )
-    if how in ("max", "min"):
+    if reduction in ("max", "min"):
         return min(BITS, (exact + 1).bit_length() - 1)
     k = 1
     while k < BITS and world * ((1 << (k + 1)) - 1) ** 2 <= exact:
@@ -202,24 +204,24 @@ def _width(dtype: torch.dtype, how: str, world: int) -> int:
     return k
 
 
-def _values(fingerprint: bytes, dtype: torch.dtype, how: str, world: int) -> list[int]:
+def _values(fingerprint: bytes, dtype: torch.dtype, reduction: str, world: int) -> list[int]:
     """The header's values for ``fingerprint`` (see the module's docstring)."""
-    if how == "":  # (a gather's, and a one-sided broadcast's) its bytes, as two int32 words
+    if reduction == "":  # (a gather's, and a one-sided broadcast's) its bytes, as two int32 words
         return list(struct.unpack("<2i", fingerprint[: BITS // 8]))
     n = int.from_bytes(fingerprint[: BITS // 8], "little")
-    if how == "prod":
+    if reduction == "prod":
         bits = [(n >> j) & 1 for j in range(BITS)]
         return [*bits, *(1 - b for b in bits)]
-    k = _width(dtype, how, world)
+    k = _width(dtype, reduction, world)
     chunks = [(n >> j) & ((1 << k) - 1) for j in range(0, BITS, k)]
-    if how == "sum":
+    if reduction == "sum":
         return chunks if k == 1 else [*chunks, *(v * v for v in chunks)]
     return [*chunks, *((1 << k) - 1 - v for v in chunks)]
 
 
 @dataclass(frozen=True)
 class Header:
-    """One call kind's header for one fingerprint, bucket dtype, op and W."""
+    """One call kind's header for one fingerprint, bucket dtype, reduction and W."""
 
     #: What this replica sends, in the bucket's dtype (a part of its bucket),
     #: on the transport's device.
@@ -238,8 +240,8 @@ _headers: _memo.Memo[Header] = _memo.Memo(locked=True)
 def _build(fingerprint: bytes, g: Guard) -> Header:
     """The :class:`Header` of ``fingerprint`` under guard ``g``, as the
     module's docstring says (on the host)."""
-    values = _values(fingerprint, g.dtype, g.how, g.world)
-    values += [0] * (g.size - len(values))  # (0 under every op)
+    values = _values(fingerprint, g.dtype, g.reduction, g.world)
+    values += [0] * (g.size - len(values))  # (0 under every reduction)
     part, wire, decoded = _parts(values, g)
     return Header(part, as_bytes(wire), as_bytes(decoded))
 
@@ -250,14 +252,14 @@ def _parts(values: list[int], g: Guard) -> tuple[torch.Tensor, torch.Tensor, tor
     in wire form and decoded (a move's: its int32 wire words)."""
     part = torch.tensor(values, dtype=g.dtype)
     if g.carries == "reduced":
-        wire = _wire.encode_reduce(part.clone(), g.how, TORCH.bitcast)
-        if g.how == "sum":
+        wire = _wire.encode_reduce(part.clone(), g.reduction, TORCH.bitcast)
+        if g.reduction == "sum":
             wire = wire * g.world
-        return part, wire, _wire.decode_reduce(wire.clone(), g.dtype, g.how, TORCH.bitcast)
+        return part, wire, _wire.decode_reduce(wire.clone(), g.dtype, g.reduction, TORCH.bitcast)
     if g.carries == "gathered":
         wire = part.expand(g.world, -1)  # (every replica's, in rank order)
     else:
-        wire = part * g.world if g.how == "sum" else part
+        wire = part * g.world if g.reduction == "sum" else part
     return part, wire, wire
 
 

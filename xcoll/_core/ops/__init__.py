@@ -13,7 +13,7 @@ Adding a collective is one new op and its public function.
 
 A move (:class:`Move`: gather, broadcast) joins every bucket's bytes into
 one buffer of int32 words and makes one collective; a reduce makes one
-all-reduce per (dtype, op) bucket, encoded so that the engine's arithmetic is
+all-reduce per (dtype, reduction) bucket, encoded so that the engine's arithmetic is
 exact (:mod:`xcoll._encode.wire`).
 
 One module each: :mod:`~xcoll._core.ops.base` (what every op is),
@@ -38,12 +38,12 @@ from .base import (
 )
 from .broadcast import Broadcast
 from .gather import Gather, gather_params
-from .reduce import OPS, Reduce, merged, summed
+from .reduce import REDUCTIONS, Reduce, merged, summed
 from .reduce_scatter import ReduceScatter
 
 __all__ = [
     "GRAD_ON_HOST",
-    "OPS",
+    "REDUCTIONS",
     "TRANSPOSES",
     "AllToAll",
     "Broadcast",

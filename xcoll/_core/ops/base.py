@@ -34,7 +34,7 @@ class Tuning:
     :func:`tuned`; plans and recipes are keyed by them)."""
 
     #: Bytes up to which a narrower integer dtype's leaves, widened, join a
-    #: wider integer bucket of the same op (:func:`merged`): a collective
+    #: wider integer bucket of the same reduction (:func:`merged`): a collective
     #: saved (3 ms on gloo at W=4 on 2 cores) is worth more than copying that much.
     widen: int = 1 << 20
     #: Bytes from which a move's bucket of one tensor travels as itself, in a
@@ -292,10 +292,9 @@ class Packed(Op):
         or an eager engine; ``sums``: whether a broadcast sums its header."""
         guard = None
         if guarded:
-            op = (
-                plan.ops[0] if plan.ops else ""
-            )  # (bucket 0's: a reduce's header is its first part)
-            guard = _header.guard(self.carries, plan.buckets[0].dtype, op, sums, w, lazy)
+            # (bucket 0's: a reduce's header is its first part)
+            reduction = plan.reductions[0] if plan.reductions else ""
+            guard = _header.guard(self.carries, plan.buckets[0].dtype, reduction, sums, w, lazy)
         # (a large tensor travels alone on eager engines only: on XLA its
         # bytes are in the graph either way)
         alone = 0 if lazy or self.scatters else _TUNING.get().alone

@@ -136,8 +136,8 @@ def _reduce_scatter_transpose(
     """A gather of the output gradients along ``dim``: each replica's reduced
     part is every replica's sum (a mean's: divided by W) of the parts it was
     made from."""
-    ops = _tree.broadcast_prefix(op.op, flat, "op")
-    means = tuple(ops[i] == "mean" for i in leaves)
+    reductions = _tree.broadcast_prefix(op.reduction, flat, "op")
+    means = tuple(reductions[i] == "mean" for i in leaves)
     return Means(Gather(op.dim, name=f"{op.name} backward"), means=means)
 
 

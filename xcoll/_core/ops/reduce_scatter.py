@@ -18,11 +18,11 @@ from .reduce import Reduce
 
 @dataclass(frozen=True)
 class ReduceScatter(Reduce):
-    """On replica ``r``, the elementwise reduction by ``op`` of every
+    """On replica ``r``, the elementwise reduction by ``reduction`` of every
     replica's part ``r`` of each leaf (cut along ``dim``): one reduce-scatter
-    per (dtype, op) bucket, encoded as a reduce's (:class:`Reduce`)."""
+    per (dtype, reduction) bucket, encoded as a reduce's (:class:`Reduce`)."""
 
-    op: Any = "sum"
+    reduction: Any = "sum"
     dim: int = 0
     grad: bool = False
     name: str = "xcoll.reduce_scatter"
@@ -38,17 +38,17 @@ class ReduceScatter(Reduce):
 
     def plan(self, flat, world):
         plan = super().plan(parts(flat, self.dim, world, self.name), world)
-        ops = _tree.broadcast_prefix(self.op, flat, "op")
+        reductions = _tree.broadcast_prefix(self.reduction, flat, "op")
         # (the leaves as the caller passed them; each one's dim, where not 0)
         dims = {i: self.dim % leaf.dim() for i, leaf in enumerate(flat.leaves)}
         return dataclasses.replace(
             plan,
-            description=_check.describe(flat, ops=ops),
+            description=_check.describe(flat, reductions=reductions),
             moved={i: d for i, d in dims.items() if d},
         )
 
     def send(self, transport, wire, k, r):
-        return transport.reduce_scatter(wire, r.ops[k])
+        return transport.reduce_scatter(wire, r.reductions[k])
 
     def wires(self, r, transport, parts, head):
         own = head[0] if head else []
@@ -58,7 +58,7 @@ class ReduceScatter(Reduce):
             for k in range(len(parts))
         ]
         shapes = tuple(s * r.world for s in r.part_shapes)
-        return transport.kernels.encode_reduce(buckets, shapes, r.dtypes, r.ops)
+        return transport.kernels.encode_reduce(buckets, shapes, r.dtypes, r.reductions)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Means(Transpose):
     """A reduce-scatter's backward rule: the gathered gradient of a leaf
     reduced by mean divided by W."""
 
-    #: Per travelling leaf, whether its op is the mean.
+    #: Per travelling leaf, whether its reduction is the mean.
     means: tuple[bool, ...] = ()
 
     def take(self, reduced, shapes, transport, sizes):
