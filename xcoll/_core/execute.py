@@ -184,7 +184,10 @@ def _outputs(r: Recipe, flat, transport: Transport, signature, mine, results, sy
     if r.empties:
         _empties(r, flat, out, to_cpu)
     del pieces
-    if sync and not to_cpu and (blocks or header is not None or transport.lazy):
+    # (an eager engine's on the host has its outputs there already: a
+    # gloo call's, a small call's on the host)
+    on_host = to_cpu or (not transport.lazy and transport.device.type == "cpu")
+    if sync and not on_host and (blocks or header is not None or transport.lazy):
         blocks, header = _materialise(transport, blocks, header)
     if header is not None and mine is not None:  # (None: the outputs' metadata, :func:`_meta_outputs`)
         if sync:
@@ -245,13 +248,14 @@ def _start(r: Recipe, transport: Transport, wires, signature, mine) -> tuple[lis
         wire = wire.new_zeros(size)
         wire[:n] = wires[0]
     results = [r.op.send(transport, wire, 0, r)]
-    read = r.early and len(wires) > 1
+    rest = wires[1:]
+    read = r.early and bool(rest)
     if read:
         transport.wait()
         results[0] = _first(r, transport, results[0], signature, mine)
     # (eager engines start every collective asynchronously)
-    if len(wires) > 1:
-        results += [r.op.send(transport, w, k, r) for k, w in enumerate(wires[1:], 1)]
+    if rest:
+        results += [r.op.send(transport, w, k, r) for k, w in enumerate(rest, 1)]
     transport.flush()
     return results, read
 
