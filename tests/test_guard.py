@@ -202,7 +202,8 @@ def test_a_world_of_one_starts_no_watch_and_sends_no_header():
 # _flipped_fingerprints is installed: an XLA pool's replicas are the threads
 # of one process.
 _FLIP = threading.local()
-_installed = [0, None]  # replica functions inside _flipped_fingerprints, the original
+# replica functions inside _flipped_fingerprints; the originals (fingerprint, header)
+_installed: list = [0, None]
 _install_lock = threading.Lock()
 
 
@@ -210,14 +211,18 @@ class _flipped_fingerprints:
     """Makes a call's fingerprint differ from the other replicas' in one bit
     alone (bit ``_FLIP.bit`` of its 64), on the threads that set one: the one
     difference a header can show that no real pair of calls makes to order
-    (two fingerprints are SHA-256 digests)."""
+    (two fingerprints are SHA-256 digests). Each header is made from its
+    fingerprint on each call meanwhile: the headers xcoll keeps are keyed by
+    signature and shared by an XLA process's replica threads, where a
+    flipped fingerprint would not reach them."""
 
     def __enter__(self):
         from xcoll._guard import header as _header
 
         with _install_lock:
             if not _installed[0]:
-                original = _installed[1] = _header.Signature.fingerprint
+                _installed[1] = (_header.Signature.fingerprint, _header.Signature.header)
+                original = _installed[1][0]
 
                 def fingerprint(signature):
                     digest = original(signature)
@@ -228,7 +233,11 @@ class _flipped_fingerprints:
                     flipped[bit // 8] ^= 1 << (bit % 8)
                     return bytes(flipped)
 
+                def made(signature, g, transport):
+                    return _header._on(transport, _header._build(signature.fingerprint(), g))
+
                 _header.Signature.fingerprint = fingerprint
+                _header.Signature.header = made
             _installed[0] += 1
 
     def __exit__(self, *exc):
@@ -238,7 +247,7 @@ class _flipped_fingerprints:
         with _install_lock:
             _installed[0] -= 1
             if not _installed[0]:
-                _header.Signature.fingerprint = _installed[1]
+                _header.Signature.fingerprint, _header.Signature.header = _installed[1]
 
 
 def _one_bit_differs(cases):
@@ -254,9 +263,8 @@ def _one_bit_differs(cases):
             for bit in bits:
                 _FLIP.bit = bit if rank == bit % w else None
                 try:
-                    # (tagged: a tagged call's header is built from its
-                    # fingerprint on each call; an untagged call's is kept per
-                    # signature, where the patched fingerprint would not reach it)
+                    # (tagged: a tag is in the fingerprint, and in the text
+                    # each replica's error names)
                     getattr(xcoll, name)(tree, **kwargs, tag=f"bit {bit}")
                     outcomes.append((name, bit, "returned"))
                 except xcoll.CollectiveMismatchError as e:

@@ -90,13 +90,13 @@ class Signature:
     def header(self, g: Guard, transport: Transport) -> Header:
         """The call's :class:`Header` under guard ``g``, its part on
         ``transport``'s device (uploaded as data, so that replicas with
-        different headers trace the same program); kept per signature and
-        device, unless tagged."""
-        if self.tag:  # (a tagged call's fingerprint is a digest made per call)
-            return _on(transport, _build(self.fingerprint(), g))
+        different headers trace the same program); kept per signature, tag
+        and device (a step's calls repeat their tags step after step; tags
+        that change each call, a batch index's, are dropped with the rest
+        when the cache is full)."""
         # (the guard's fields, not the guard: a dataclass's hash is a Python call)
         d, kind = self.description.digest, (g.carries, g.dtype, g.reduction, g.world)
-        key = (self.name, self.head, d, *kind, transport.device)
+        key = (self.name, self.head, d, *kind, transport.device, self.tag)
         return _headers.hit(key) or _headers.get(
             key, lambda: _on(transport, _build(self.fingerprint(), g))
         )
