@@ -40,7 +40,7 @@ BOUNDS = {
         "broadcast, 1 leaf": 115 + 15,
         "reduce, 3-leaf metrics": 115 + 15,
         "gather grad=True, 1 leaf": 139 + 15,
-        "reduce in a step, 1 leaf": 208 + 15,
+        "reduce in a step, 1 leaf": 197 + 15,
     },
     "xla-cpu-2": {
         "reduce, 1 leaf": 172 + 30,
@@ -48,7 +48,7 @@ BOUNDS = {
         "broadcast, 1 leaf": 186 + 30,
         "reduce, 3-leaf metrics": 175 + 30,
         "gather grad=True, 1 leaf": 208 + 30,
-        "reduce in a step, 1 leaf": 306 + 30,
+        "reduce in a step, 1 leaf": 295 + 30,
     },
 }
 
@@ -58,7 +58,7 @@ BOUNDS = {
 #: and its end's check (a small guarded exchange
 #: of its own, which compares the block's number of calls on every replica;
 #: on XLA an execution of the small calls' program).
-STEP = {"gloo-2": 96, "xla-cpu-2": 127}
+STEP = {"gloo-2": 85, "xla-cpu-2": 116}
 
 
 @pytest.mark.parametrize("world", sorted(BOUNDS))

@@ -43,8 +43,7 @@ def _entered(
 ) -> tuple[Transport, _entry.entered]:
     """The call's entry (:func:`xcoll._guard.entry.entered`) on its transport."""
     transport = _backends.current(group)
-    description = _check.Description(())
-    return transport, _entry.entered(transport, name, head, description, error, tag=tag)
+    return transport, _entry.entered(transport, name, head, _check.NO_TREE, error, tag=tag)
 
 
 def gather_object(obj: Any, *, group: Any = None, tag: str | int | None = None) -> list[Any]:

@@ -248,7 +248,7 @@ def sync_rng_state(
     transport = _backends.current(group)
     head = f"src={src} generators={len(generators)}"
     name = "xcoll.sync_rng_state"
-    with _entry.entered(transport, name, head, _check.Description(()), tag=tag) as signature:
+    with _entry.entered(transport, name, head, _check.NO_TREE, tag=tag) as signature:
         state = _sync(transport, src, generators, signature)
     shared = _SHARED if transport.replica_threads else ()
     named = [k for k in state if k != "generators" and k not in shared]

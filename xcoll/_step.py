@@ -110,7 +110,7 @@ def _ended(t: Transport, prefix: str, count: int) -> None:
     carries the block's number of calls there (as :func:`xcoll.barrier`'s:
     one all-gather of a small call's size, which meets any small call)."""
     head = f"calls={count}"
-    with entered(t, "xcoll.step", head, _check.Description(()), tag=_steps.Identity(prefix)) as signature:
+    with entered(t, "xcoll.step", head, _check.NO_TREE, tag=_steps.Identity(prefix)) as signature:
         if signature is None:  # (this replica's mode is "never": the others' verdict names it)
             return
         sent = _exchange.sha256(signature.fingerprint().hex())

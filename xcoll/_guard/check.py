@@ -159,6 +159,11 @@ class Description:
         return _exchange.sha256("\n".join(self.lines))
 
 
+#: The description of a call without a tree (a barrier, a step's end, an
+#: object's or an RNG state's call): one object, whose digest is made once.
+NO_TREE = Description(())
+
+
 def describe(
     flat: _tree.Flat,
     uneven_dims: dict[int, int] | None = None,
@@ -200,7 +205,7 @@ def verify(
     lines = [f"call {name}", f"tag: {tag or '(none)'}", f"parameters: {head or '(none)'}"]
     if error is not None:  # named first: it is what the other replicas should see
         lines.insert(1, f"error: {type(error).__name__}: {error}")
-        body = Description(())
+        body = NO_TREE
     assert body is not None
     digest = _exchange.sha256("\n".join([*lines, body.digest.hex()]))
     differ = _exchange.differing(transport, digest)

@@ -77,7 +77,7 @@ class entered:
                 tag, number = _steps.tag(t, self.explicit)
             except TypeError as e:
                 tag, number, error = "", 0, error or e
-            d = self.description or _check.Description(())
+            d = self.description or _check.NO_TREE
             signature = Signature(self.name, self.head, d, tag, number)
             w = t.world
             if w > 1:
