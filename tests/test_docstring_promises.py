@@ -364,30 +364,41 @@ def test_a_launched_process_without_a_process_group_raises_from_every_other_call
 
 
 _DESTROYED = """
-import json, os, torch.distributed as dist, xcoll
+import json, os, torch, torch.distributed as dist, xcoll
 store = "file://" + os.path.abspath(__file__) + ".store"
 dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
 group = dist.new_group([0])
-xcoll.NAME(group)  # (used, then destroyed)
+CALL  # (used, then destroyed)
 dist.destroy_process_group()
 try:
-    said = ["returned", repr(xcoll.NAME(group))]
+    said = ["returned", repr(CALL)]
 except Exception as e:
     said = [type(e).__name__, str(e)]
 print(json.dumps(said))
 """
 
+# Each public name whose docstring promises it, called with a group: as the
+# script's text, and as the call itself.
+_WITH_GROUP = {
+    "rank": ("xcoll.rank(group)", lambda g: xcoll.rank(g)),
+    "world_size": ("xcoll.world_size(group)", lambda g: xcoll.world_size(g)),
+    "gather": ("xcoll.gather(torch.ones(1), group=group)", lambda g: xcoll.gather(torch.ones(1), group=g)),
+    "sync": ("xcoll.sync(group)", lambda g: xcoll.sync(g)),
+    "barrier": ("xcoll.barrier(group=group)", lambda g: xcoll.barrier(group=g)),
+}
+
 
 @pytest.mark.parametrize("group", ["NON_GROUP_MEMBER", "destroyed"])
-@pytest.mark.parametrize("name", ["rank", "world_size"])
+@pytest.mark.parametrize("name", sorted(_WITH_GROUP))
 def test_a_group_given_without_torch_distributed_raises_runtime_error(tmp_path, name, group):
+    text, call = _WITH_GROUP[name]
     if group == "destroyed":  # (in a process of its own: the test process never initialises)
         import json
 
         from tests.helpers import run
 
         script = tmp_path / "script.py"
-        script.write_text(_DESTROYED.replace("NAME", name))
+        script.write_text(_DESTROYED.replace("CALL", text))
         result = run(script, {"PYTHONPATH": str(ROOT)})
         assert result.returncode == 0, result.stderr[-3000:]
         said = json.loads(result.stdout.splitlines()[-1])
@@ -395,7 +406,7 @@ def test_a_group_given_without_torch_distributed_raises_runtime_error(tmp_path, 
         return
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError) as e:
-        getattr(xcoll, name)(dist.GroupMember.NON_GROUP_MEMBER)
+        call(dist.GroupMember.NON_GROUP_MEMBER)
     assert str(e.value).startswith(_NOT_INITIALISED)
 
 

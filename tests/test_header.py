@@ -229,3 +229,28 @@ def test_every_collective_carries_its_header_one_known_way_and_declares_its_tran
         assert c in ops.TRANSPOSES or c in (ops.Packed, ops.Move), c
         if issubclass(c, ops.Packed) and c not in (ops.Packed, ops.Move):
             assert c.carries in _header.CARRIES, c
+
+
+def test_a_calls_header_is_kept_per_signature_and_tag():
+    """A header kept per signature (:meth:`Signature.header`) is the one its
+    fingerprint makes, tagged or not: two calls that differ by their tag
+    alone send different headers, a call made again with the same tag sends
+    the header it sent before, and tags that change each call (a batch
+    index's) leave the untagged calls' headers kept."""
+    from xcoll._backends.base import LocalTransport
+    from xcoll._guard import check as _check
+
+    t, g = LocalTransport(), _guard("reduce", torch.float32, "sum", 2)
+    d = _check.Description(("x: float32[3]",))
+    untagged = _header.Signature("xcoll.reduce", "op", d)
+    step = [_header.Signature("xcoll.reduce", "op", d, tag=f"step {i}, call 0") for i in range(3)]
+    kept = untagged.header(g, t)
+    headers = [s.header(g, t) for s in step]
+    for s, h in zip(step, headers, strict=True):
+        built = _header._build(s.fingerprint(), g)
+        assert (h.wire, h.decoded) == (built.wire, built.decoded) and torch.equal(h.part, built.part)
+        assert s.header(g, t) is h  # (made once per tag)
+    assert len({h.wire for h in [kept, *headers]}) == 4
+    for i in range(1100):  # (more tags than any header cache keeps)
+        _header.Signature("xcoll.reduce", "op", d, tag=f"batch {i}").header(g, t)
+    assert untagged.header(g, t) is kept

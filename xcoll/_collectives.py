@@ -198,8 +198,10 @@ def gather(
             this process from then on).
         RuntimeError: the launch went wrong (a launcher started this process as
             one of several but no process group is initialised; an XLA:CPU
-            thread pool smaller than the replicas), or a collective did not
-            complete (a replica that never came: the engine's timeout).
+            thread pool smaller than the replicas), a ``group`` given where
+            torch.distributed is not initialised (never, or no longer), or a
+            collective did not complete (a replica that never came: the
+            engine's timeout).
 
     >>> import torch, xcoll
     >>> xcoll.gather({"x": torch.tensor([1, 2]), "n": 3})  # a world of one
@@ -610,7 +612,8 @@ def sync(group: Any = None) -> None:
         CollectiveMismatchError: a ``sync=False`` call that it completed
             differed between replicas (on every replica).
         RuntimeError: as in :func:`rank` (a launched process without a process
-            group).
+            group, a ``group`` given where torch.distributed is not
+            initialised).
 
     >>> import xcoll
     >>> xcoll.sync()  # a world of one: nothing is pending

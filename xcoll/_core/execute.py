@@ -10,9 +10,10 @@ per call (a reduce's results fetched as they arrived, decoded on the host:
 no computation after its collectives).
 
 A world of one (on XLA, one whose outputs go to the host) makes no
-collective: each is an identity, so each output is its leaf's own copy,
-through its reduction's encoding and back (a reduce's: :func:`_identity`); on XLA the copies
-are the call's one fetch, after its one sync. Packing, a program and a
+collective: each is an identity, so each output is its leaf's own copy (a
+reduce's leaf's through its reduction's encoding and back:
+:func:`_identity`); on XLA the copies are the call's one fetch, after its
+one sync. Packing, a program and a
 split would cost more than everything else the call does.
 
 Everything here reads the recipe, and asks its op (``r.op``) only the

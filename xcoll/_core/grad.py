@@ -51,6 +51,7 @@ from .._base import memo as _memo
 from .._base import tree as _tree
 from .._guard import header as _header
 from .._guard import steps as _steps
+from .._guard import verdict as _verdict
 from . import call as _call
 from . import ops as _ops
 
@@ -142,8 +143,8 @@ def backward(
     op = dataclasses.replace(t.dual, grad=torch.is_grad_enabled())  # type: ignore[type-var]
     # An uneven gather's collective runs on its own, after the pending work
     # (whose shapes differ between replicas), as its forward's does.
-    if t.separate:  # (the call's entry reads the verdicts this sync ran)
-        transport.sync()
+    if t.separate:
+        _verdict.synced(transport)
     out = call(op, tree, group, sync=t.separate, to_cpu=False, tag=identity)
     reduced = optree.tree_leaves(out, none_is_leaf=False)
     took = t.take(reduced, rule.shapes, transport, sizes)

@@ -84,22 +84,21 @@ class Signature:
     def fingerprint(self) -> bytes:
         key = (self.name, self.head, self.description.digest)
         base = _fingerprints.get(key, lambda: _exchange.sha256("\n".join(key[:2] + (key[2].hex(),))))
-        # (a tag changes from call to call: its fingerprint is not kept)
+        # (not kept: a tagged fingerprint is made where its header is not, :meth:`header`)
         return _exchange.sha256(base.hex() + "\n" + self.tag) if self.tag else base
 
     def header(self, g: Guard, transport: Transport) -> Header:
         """The call's :class:`Header` under guard ``g``, its part on
         ``transport``'s device (uploaded as data, so that replicas with
-        different headers trace the same program); kept per signature, tag
-        and device (a step's calls repeat their tags step after step; tags
-        that change each call, a batch index's, are dropped with the rest
-        when the cache is full)."""
+        different headers trace the same program); kept per signature and
+        device, and a tagged call's per tag, apart: a step of a fixed name
+        repeats its calls' tags step after step, one named by its batch
+        index makes new ones each step, which then fill their own cache only."""
         # (the guard's fields, not the guard: a dataclass's hash is a Python call)
         d, kind = self.description.digest, (g.carries, g.dtype, g.reduction, g.world)
         key = (self.name, self.head, d, *kind, transport.device, self.tag)
-        return _headers.hit(key) or _headers.get(
-            key, lambda: _on(transport, _build(self.fingerprint(), g))
-        )
+        kept = _tagged if self.tag else _headers
+        return kept.hit(key) or kept.get(key, lambda: _on(transport, _build(self.fingerprint(), g)))
 
 
 #: How a collective carries the header, one value per collective
@@ -180,11 +179,12 @@ def alike_size(dtype: torch.dtype, reduction: str, world: int) -> int:
     if reduction == "prod":
         return own_size(dtype, reduction, world)
     alike = [d for d in _tree.SUPPORTED_DTYPES if d.itemsize == dtype.itemsize]
-    return max(own_size(d, r, world) for d in alike for r in _REDUCTIONS)
+    return max(own_size(d, r, world) for d in alike for r in _ALIKE)
 
 
 _ZERO = bytes(BITS // 8)
-_REDUCTIONS = ("sum", "max", "min")
+#: The reductions whose headers are sized alike (prod's is its own).
+_ALIKE = ("sum", "max", "min")
 
 
 def _width(dtype: torch.dtype, reduction: str, world: int) -> int:
@@ -235,6 +235,7 @@ class Header:
 
 
 _headers: _memo.Memo[Header] = _memo.Memo(locked=True)
+_tagged: _memo.Memo[Header] = _memo.Memo(256, locked=True)
 
 
 def _build(fingerprint: bytes, g: Guard) -> Header:

@@ -49,10 +49,14 @@ def synced(transport: Transport, tensors: Sequence[torch.Tensor] = ()) -> list[t
     caller's work too) and one fetch: :meth:`Transport.sync_and_fetch`, or
     :meth:`Transport.sync` where there is nothing to fetch (a no-op on an
     eager engine). Then, on a lazy engine, the verdicts of the earlier
-    ``sync=False`` calls that the sync ran (:func:`settle`): every sync
-    xcoll makes goes through here."""
-    out = transport.sync_and_fetch(tensors) if tensors else []
-    if not tensors:
+    ``sync=False`` calls that the sync ran (:func:`settle`). Every sync that
+    xcoll's calls make goes through here; one that a transport makes inside
+    a step of its own (a small call's fetch of a pending leaf, the full
+    check's exchange) is read at the next call's entry."""
+    if tensors:
+        out = transport.sync_and_fetch(tensors)
+    else:
+        out = []
         transport.sync()
     if transport.lazy:
         settle(transport)
