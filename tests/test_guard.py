@@ -192,7 +192,7 @@ def test_a_world_of_one_starts_no_watch_and_sends_no_header():
     assert next(_watchdog._ids) == before + 1
     t = _backends.current()
     assert t.world == 1
-    with _entry.entered(t, "xcoll.gather", "", _check.Description(())) as signature:
+    with _entry.entered(t, "xcoll.gather", "", _check.NO_TREE) as signature:
         assert signature is None
 
 
@@ -391,7 +391,7 @@ def _overlap(t, error: Exception | None) -> dict:
     from xcoll._guard import entry as _entry
 
     def entry(name):
-        return _entry.entered(t, name, "", _check.Description(()))
+        return _entry.entered(t, name, "", _check.NO_TREE)
 
     inside, overlapped, raised = threading.Event(), threading.Event(), {}
 
@@ -442,7 +442,7 @@ def _exclusive_messages(_):
     raised = {}
     try:
         with xcoll.consistency_checks("never"):
-            with _entry.entered(t, "xcoll.broadcast", "src=0", _check.Description(())):
+            with _entry.entered(t, "xcoll.broadcast", "src=0", _check.NO_TREE):
                 raise _entry.EngineError("Timed out")
     except RuntimeError as e:
         raised["engine"] = str(e)

@@ -356,7 +356,7 @@ def _completed_by_another_threads_call(_=None):
     def other():
         t = _backends.current(group)
         # (entered as a public call is, in mode "never": no collective of its own)
-        with xcoll.consistency_checks("never"), _entry.entered(t, "xcoll.other", "", _check.Description(())):
+        with xcoll.consistency_checks("never"), _entry.entered(t, "xcoll.other", "", _check.NO_TREE):
             inside.set()
             done.wait(60)
 

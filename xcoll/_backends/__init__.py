@@ -66,9 +66,8 @@ def check_group(group: Any) -> None:
     if group is None:
         return
     member = getattr(torch_dist, "GroupMember", None)
-    if not isinstance(group, getattr(torch_dist, "ProcessGroup", ())) and not (
-        isinstance(group, int) and group == getattr(member, "NON_GROUP_MEMBER", None)
-    ):
+    non_member = isinstance(group, int) and group == getattr(member, "NON_GROUP_MEMBER", None)
+    if not (non_member or isinstance(group, getattr(torch_dist, "ProcessGroup", ()))):
         raise TypeError(
             "group must be a torch.distributed ProcessGroup (as dist.new_group returns) or None, "
             f"got {type(group).__qualname__} {group!r:.80}"
