@@ -8,6 +8,8 @@ below, each run against its own fast tests at CI's examples.
     CI=1 python -m tests.mutation --resume        # only what was not run (an interrupted pass)
     CI=1 python -m tests.mutation xcoll/_backends/xla_kernels.py --sample 100 --seed 25
                                                   # a random sample of each module's mutants
+    CI=1 python -m tests.mutation xcoll/_guard/watchdog.py -- tests/test_out_of_step.py -k diagnosed
+                                                  # each mutant against the tests after "--" alone
 
 mutmut (configured in pyproject.toml, ``[tool.mutmut]``) copies the tree into
 ``mutants/``, rewrites each function of the mutated modules so that the
@@ -257,8 +259,45 @@ def _option(argv: list[str], name: str, default: int | None) -> int | None:
     return value
 
 
+def _direct(names: list[str], pytest_args: list[str]) -> None:
+    """Runs each mutant of ``names`` against ``pytest_args`` alone, each in a
+    pytest process of its own in ``mutants/`` (two at a time), instead of
+    against the tests mutmut's stats run credits it with: for a module whose
+    tests the pass's selection leaves out (the watchdog's and a leaving
+    replica's, which wait seconds), or to run chosen tests first. Each exit
+    status is recorded where mutmut records its own (the module's ``.meta``),
+    so the summary, ``--survivors`` and ``mutmut show`` read it; a run past
+    15 minutes counts as a timeout (killed: re-examine it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    here = Path("mutants").resolve()
+    env = {**os.environ, "PYTHONPATH": str(here)}
+
+    def one(name: str) -> int:
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *pytest_args]
+        try:
+            done = subprocess.run(
+                cmd, cwd=here, env={**env, "MUTANT_UNDER_TEST": name}, capture_output=True, timeout=900
+            )
+        except subprocess.TimeoutExpired:
+            return 36
+        return done.returncode
+
+    with ThreadPoolExecutor(2) as pool:
+        for name, code in zip(names, pool.map(one, names), strict=True):
+            module = next(m for m in MODULES if _selected(m, [name]))
+            meta = here / (module + ".meta")
+            data = json.loads(meta.read_text())
+            data["exit_code_by_key"][name] = code
+            meta.write_text(json.dumps(data))
+            print(f"{name}: {'survived' if code in _SURVIVED else code}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     argv = list(argv)
+    # (after "--": the tests each mutant runs against, by :func:`_direct`)
+    direct = argv[argv.index("--") + 1 :] if "--" in argv else None
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     sample, seed = _option(argv, "--sample", None), _option(argv, "--seed", 0)
     survivors, resume = "--survivors" in argv, "--resume" in argv
     modules = [a for a in argv if not a.startswith("--")] or list(MODULES)
@@ -287,8 +326,11 @@ def main(argv: list[str]) -> int:
             names += rng.sample(mine, min(sample, len(mine)))
     else:
         names = [p for m in modules for p in MODULES[m]]
-    # (mutmut's own exit status says nothing of the kill rate)
-    subprocess.run([sys.executable, "-m", "mutmut", "run", *names], check=False)
+    if direct is not None:
+        every = [n for m in modules for n in _selected(m, _results()[m])]
+        _direct([n for n in every if any(fnmatch.fnmatch(n, p) for p in names)], direct)
+    else:  # (mutmut's own exit status says nothing of the kill rate)
+        subprocess.run([sys.executable, "-m", "mutmut", "run", *names], check=False)
     results = _results()
     print("\nmodule                    mutants  killed  survived  no tests  kill rate")
     total = killed = 0

@@ -454,6 +454,45 @@ def test_a_replica_that_left_is_named_with_its_last_call_by_every_replica_waitin
         assert f"rank {world - 1} has left (its process exited) after its call 3 on the group, xcoll.gather (" in text, (r, text)
 
 
+def _two_said_they_left(_):
+    """Ranks 2 and 3 of a group of its own say they left (in the job's real
+    store, as their exit hook does); rank 0 reads who left."""
+    import torch.distributed as dist
+
+    from xcoll._backends import current
+    from xcoll._guard import leaving
+
+    group = dist.new_group()  # (its keys are its own: the pool's world is left alone)
+    t = current(group)
+    if t.rank() >= 2:
+        t.say_left(f"its call {t.rank()} on the group")
+    xcoll.barrier(group=group)
+    said = leaving.who_left(t) if t.rank() == 0 else None
+    xcoll.barrier(group=group)
+    dist.destroy_process_group(group)
+    return said
+
+
+def test_every_replica_that_said_it_left_is_named_once():
+    said = shared_pool("gloo-4").run(_two_said_they_left, [None] * 4)[0]
+    assert said == (
+        "rank 2 of the group (global rank 2) has left (its process exited) after its call 2 on the group; "
+        "rank 3 of the group (global rank 3) has left (its process exited) after its call 3 on the group; "
+    ), said
+
+
+def test_a_store_that_cannot_be_read_names_no_one():
+    # (the store's host may be the replica that left: who_left then says
+    # nothing, and the engine's own error stands)
+    from xcoll._guard import leaving
+
+    class StoreGone:
+        def left(self):
+            raise RuntimeError("connection reset by peer")
+
+    assert leaving.who_left(StoreGone()) == ""
+
+
 # ---- small calls whose sizes differ, in either direction ---------------------------
 
 _SIZED = ["gather", "reduce", "broadcast", "reduce_scatter", "all_to_all"]

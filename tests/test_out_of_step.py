@@ -355,6 +355,60 @@ def test_after_an_overlap_an_xla_replica_makes_no_more_collectives():
 # ---- every wait diagnosed -------------------------------------------------------
 
 
+def _shorter_than_the_delay(_):
+    """Rank 1 calls half a second late: rank 0's call waits less than the
+    watchdog's delay (1 s here), so nothing is printed on either."""
+    xcoll.barrier()  # (the pool's processes started at their own times)
+    with _stderr_and_watchdog(1.0) as err:
+        if xcoll.rank() == 1:
+            time.sleep(0.5)
+        xcoll.gather(torch.ones(2))
+    return err.getvalue()
+
+
+def test_a_call_shorter_than_the_watchdogs_delay_prints_nothing():
+    # (the watchdog polls 10 times per delay: a poll that printed every
+    # call it found, due or not, would print rank 0's)
+    assert shared_pool("gloo-2").run(_shorter_than_the_delay, [None, None]) == ["", ""]
+
+
+def test_one_daemon_thread_named_xcoll_watchdog_serves_every_call():
+    # (named, so that a thread dump says whose it is; a daemon, so that it
+    # never keeps a finished program alive)
+    from xcoll._guard import watchdog as _watchdog
+
+    for _ in range(2):
+        with _watchdog.watch(str):
+            pass
+    threads = [t for t in threading.enumerate() if t.name == "xcoll-watchdog"]
+    assert len(threads) == 1 and threads[0].daemon, threading.enumerate()
+
+
+def test_each_watched_call_is_its_own():
+    # (one call that ends, a call in flight completed inside another call
+    # say, leaves the other's diagnosis due)
+    from xcoll._guard import watchdog as _watchdog
+
+    with _stderr_and_watchdog(1.0) as err:
+        first = _watchdog.watch(lambda seconds: "first")
+        second = _watchdog.watch(lambda seconds: f"second, after {seconds:.0f} s")
+        first.__exit__(None, None, None)
+        time.sleep(2.0)  # (the delay, and a poll of the thread's old period)
+        second.__exit__(None, None, None)
+    assert err.getvalue() == "second, after 1 s\n"
+
+
+def test_a_diagnosis_that_fails_still_says_that_a_call_has_waited():
+    from xcoll._guard import watchdog as _watchdog
+
+    def broken(seconds: float) -> str:
+        raise RuntimeError("no account")
+
+    with _stderr_and_watchdog(1.0) as err, _watchdog.watch(broken):
+        time.sleep(2.0)  # (the delay, and a poll of the thread's old period)
+    assert err.getvalue() == "xcoll: a call has waited 1 s (RuntimeError('no account'))\n"
+
+
 @contextlib.contextmanager
 def _stderr_and_watchdog(after: float):
     """Captures what the watchdog prints (it resolves sys.stderr when it
