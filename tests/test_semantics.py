@@ -105,6 +105,27 @@ def test_reduce_edge_cases_bit_for_bit(pool, op):
         assert_trees(out, expected, same_bits, op)
 
 
+def _mixed_ints(args):
+    r, op = args
+    tree = {
+        "u8": torch.tensor([(100 + 100 * r) % 256, 7 * r], dtype=torch.uint8),
+        "i8": torch.tensor([-100 + 50 * r, 3], dtype=torch.int8),
+    }
+    return tree, _reduce((tree, op))
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_uint8_and_int8_leaves_keep_their_own_order(pool, op):
+    # (of one width, neither dtype holds the other's values: merged into
+    # one bucket, 200 as an int8 is -56, and the max of 100 and 200 is 100)
+    runs = pool.run(_mixed_ints, [(r, op) for r in range(pool.world_size)])
+    trees = [tree for tree, _ in runs]
+    fold = torch.amax if op == "max" else torch.amin
+    expected = {k: fold(torch.stack([t[k] for t in trees]), dim=0) for k in trees[0]}
+    for _, out in runs:
+        assert_trees(out, expected, same_bits, op)
+
+
 # ---- trees keyed by objects ------------------------------------------------------
 
 
