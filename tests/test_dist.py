@@ -552,6 +552,23 @@ def test_a_collective_that_cannot_start_or_whose_group_is_gone_raises_an_engine_
 # ---- the same results on XLA and gloo ----------------------------------------------
 
 
+def _large_parts(_):
+    """A reduce-scatter and an all-to-all of 8 KiB per replica: over the
+    small calls' size, so each is the engine's own collective."""
+    r = xcoll.rank()
+    x = (torch.arange(2048.0) + 1000 * r).to(device())
+    return to_cpu({"sum": xcoll.reduce_scatter(x), "parts": xcoll.all_to_all(x)})
+
+
+@pytest.mark.parametrize("world", ["xla-cpu-2", "gloo-2"])
+def test_large_reduce_scatters_and_all_to_alls_are_the_engines_own_and_exact(world):
+    xs = [torch.arange(2048.0) + 1000 * r for r in range(2)]
+    for r, got in enumerate(shared_pool(world).run(_large_parts, [None, None])):
+        part = slice(1024 * r, 1024 * (r + 1))
+        assert torch.equal(got["sum"], (xs[0] + xs[1])[part]), (world, r)
+        assert torch.equal(got["parts"], torch.cat([xs[0][part], xs[1][part]])), (world, r)
+
+
 def _all_ops(args):
     tree, op = args
     x = to_device(tree, device())

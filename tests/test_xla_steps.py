@@ -56,6 +56,26 @@ def test_a_sync_with_nothing_pending_does_not_wait_for_another_replica():
     assert pool.run(_sync_with_nothing_pending, [20, 20]) == ["ok", "ok"]
 
 
+def _process_and_replica(_):
+    import torch_xla.runtime as xr
+
+    return xr.process_index(), xr.process_count(), xr.global_ordinal(), xr.world_size()
+
+
+def test_a_pools_replica_threads_are_process_0_of_1_and_their_own_ordinals():
+    # (the runtime started as process 0 of 1, as xmp.spawn starts it for its
+    # threads; each thread its own ordinal of the replicas)
+    got = shared_pool("xla-cpu-2").run(_process_and_replica, [None, None])
+    assert got == [(0, 1, 0, 2), (0, 1, 1, 2)], got
+
+
+def test_a_binding_this_torch_xla_lacks_is_named():
+    from xcoll._backends import _xlac
+
+    with pytest.raises(RuntimeError, match=r"has no torch_xla\._XLAC\._no_such_binding, which xcoll needs"):
+        _xlac._binding("_no_such_binding")
+
+
 # ---- the syncs users write (issue: XLA steps as users write them) -------------------
 
 # A lock of the caller's own around its syncs (the usual cure for compile races).

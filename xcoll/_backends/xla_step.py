@@ -26,7 +26,6 @@ import threading
 from collections.abc import Sequence
 
 import torch
-import torch_xla
 
 from . import _xlac
 
@@ -36,7 +35,7 @@ SYNC_LOCK = threading.Lock()
 _UNWAITED: set[torch.device] = set()
 
 
-def sync(device: torch.device | None = None, wait: bool = True) -> None:
+def sync(device: torch.device, wait: bool = True) -> None:
     """Runs this replica's pending graph and waits for it to finish (unless
     not ``wait``: then the device's next :func:`step` waits for it first).
 
@@ -47,7 +46,6 @@ def sync(device: torch.device | None = None, wait: bool = True) -> None:
     collective and every replica hangs (seen after a few dozen back-to-back calls
     at W=4). It waits for this device only (:func:`_xlac.wait_device`).
     """
-    device = device or torch_xla.device()
     if _xlac.pending(device):
         step(device)
         if wait:
