@@ -356,12 +356,12 @@ def test_after_an_overlap_an_xla_replica_makes_no_more_collectives():
 
 
 def _shorter_than_the_delay(_):
-    """Rank 1 calls half a second late: rank 0's call waits less than the
-    watchdog's delay (1 s here), so nothing is printed on either."""
-    xcoll.barrier()  # (the pool's processes started at their own times)
-    with _stderr_and_watchdog(1.0) as err:
+    """Rank 1 calls a second late: rank 0's call waits less than the
+    watchdog's delay (2 s here), so nothing is printed on either."""
+    with _stderr_and_watchdog(2.0) as err:
+        xcoll.barrier()  # (the pool's processes started at their own times)
         if xcoll.rank() == 1:
-            time.sleep(0.5)
+            time.sleep(1.0)
         xcoll.gather(torch.ones(2))
     return err.getvalue()
 
@@ -393,7 +393,7 @@ def test_each_watched_call_is_its_own():
         first = _watchdog.watch(lambda seconds: "first")
         second = _watchdog.watch(lambda seconds: f"second, after {seconds:.0f} s")
         first.__exit__(None, None, None)
-        time.sleep(2.0)  # (the delay, and a poll of the thread's old period)
+        time.sleep(3.0)  # (the delay, a poll of the thread's old period, and room)
         second.__exit__(None, None, None)
     assert err.getvalue() == "second, after 1 s\n"
 
@@ -405,7 +405,7 @@ def test_a_diagnosis_that_fails_still_says_that_a_call_has_waited():
         raise RuntimeError("no account")
 
     with _stderr_and_watchdog(1.0) as err, _watchdog.watch(broken):
-        time.sleep(2.0)  # (the delay, and a poll of the thread's old period)
+        time.sleep(3.0)  # (the delay, a poll of the thread's old period, and room)
     assert err.getvalue() == "xcoll: a call has waited 1 s (RuntimeError('no account'))\n"
 
 
