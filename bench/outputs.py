@@ -44,14 +44,14 @@ def main(argv: list[str] | None = None) -> None:
     print("|---:|---:|---:|---:|")
     for n in a.outputs:
         buf = torch.randn(n * 128).to(device)
-        sync()
+        sync(device)
         compiled = met.metric_data("CompileTime")
         before = compiled[1] if compiled else 0.0
         times = []
         for _ in range(1 + a.calls):
             t0 = time.perf_counter()
             (outs,) = XlaKernels().split([buf], [((8, 16),) * n])
-            sync()  # (runs the graph and waits for it)
+            sync(device)  # (runs the graph and waits for it)
             times.append(time.perf_counter() - t0)
         compile_s = (met.metric_data("CompileTime")[1] - before) / 1e9
         assert len(outs) == n
