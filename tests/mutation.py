@@ -267,7 +267,8 @@ def _direct(names: list[str], pytest_args: list[str]) -> None:
     replica's, which wait seconds), or to run chosen tests first. Each exit
     status is recorded where mutmut records its own (the module's ``.meta``),
     so the summary, ``--survivors`` and ``mutmut show`` read it; a run past
-    15 minutes counts as a timeout (killed: re-examine it)."""
+    15 minutes counts as a timeout (killed: re-examine it). The tests must
+    pass first without a mutant."""
     from concurrent.futures import ThreadPoolExecutor
 
     here = Path("mutants").resolve()
@@ -283,6 +284,11 @@ def _direct(names: list[str], pytest_args: list[str]) -> None:
             return 36
         return done.returncode
 
+    # (as mutmut's clean run: tests that fail, or are not found, without a
+    # mutant would count every mutant killed)
+    clean = one("")
+    if clean != 0:
+        raise SystemExit(f"the tests after '--' exit {clean} without a mutant: no mutant run")
     with ThreadPoolExecutor(2) as pool:
         for name, code in zip(names, pool.map(one, names), strict=True):
             module = next(m for m in MODULES if _selected(m, [name]))
