@@ -57,16 +57,27 @@ def test_a_sync_with_nothing_pending_does_not_wait_for_another_replica():
 
 
 def _process_and_replica(_):
+    import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
-    return xr.process_index(), xr.process_count(), xr.global_ordinal(), xr.world_size()
+    return (
+        xr.process_index(),
+        xr.process_count(),
+        xr.global_ordinal(),
+        xr.world_size(),
+        xr.local_ordinal(),
+        xm.is_master_ordinal(local=True),
+    )
 
 
 def test_a_pools_replica_threads_are_process_0_of_1_and_their_own_ordinals():
     # (the runtime started as process 0 of 1, as xmp.spawn starts it for its
-    # threads; each thread its own ordinal of the replicas)
+    # threads; each thread its own ordinal of the replicas. The local ordinal,
+    # which data loaders shard by and local-master logging reads, is the
+    # process's local rank times its devices plus the thread's device: a
+    # process started as 1 of 1 would shift every thread's by W)
     got = shared_pool("xla-cpu-2").run(_process_and_replica, [None, None])
-    assert got == [(0, 1, 0, 2), (0, 1, 1, 2)], got
+    assert got == [(0, 1, 0, 2, 0, True), (0, 1, 1, 2, 1, False)], got
 
 
 def test_a_binding_this_torch_xla_lacks_is_named():
@@ -118,6 +129,33 @@ def test_a_callers_own_sync_runs_sync_false_calls(world, how):
     # verdict's step closure, which fetched while the others waited for that lock
     pool = shared_pool(world)
     assert pool.run(_sync_false_calls, [how] * pool.world_size) == [[0.0] * STEPS] * pool.world_size
+
+
+def _sync_false_calls_and_one_synced_call(how: str) -> tuple[list[float], float]:
+    big = torch.arange(2048.0).to(device()) + xcoll.rank()
+    whole = xcoll.reduce({"big": big, "n": torch.tensor(1.0).to(device())})
+    error = (whole["big"].cpu() - (xcoll.world_size() * torch.arange(2048.0) + 1)).abs().max()
+    return _sync_false_calls(how), float(error + whole["n"].cpu() - xcoll.world_size())
+
+
+@pytest.mark.parametrize("how", ["torch_xla.sync", "locked torch_xla.sync"])
+def test_steps_under_torch_xla_debugging_settings(how, tmp_path):
+    # xcoll's step keeps torch_xla.sync's step log and metrics file, and
+    # not its XLA_SYNC_WAIT, whose wait under xcoll's lock hung the replicas
+    # queued behind it (_xlac.step)
+    pytest.importorskip("torch_xla")
+    from xcoll.testing import XlaPool
+
+    metrics = tmp_path / "metrics"
+    env = {"XLA_SYNC_WAIT": "1", "XLA_EMIT_STEPLOG": "1", "XLA_METRICS_FILE": str(metrics)}
+    with XlaPool(2, env=env) as pool:
+        got = pool.run(_sync_false_calls_and_one_synced_call, [how, how])
+        log = pool.stderr_tail(10**6)
+    assert got == [([0.0] * STEPS, 0.0)] * 2, got
+    assert log.count("torch_xla.torch_xla::sync\n") >= 2 * STEPS, log[-2000:]
+    # (torch_xla's name for the first replica's file where the world is over 1)
+    assert metrics.with_name("metrics.0").read_text().count("[MetricsData; step=") >= STEPS
+    assert not metrics.with_name("metrics.1").exists()
 
 
 def _eval_over_mp_device_loader(n: int) -> list[float]:

@@ -10,6 +10,7 @@ collective. xcoll is tested with torch_xla 2.9.0.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,35 +148,41 @@ def get_cpu_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list(_binding("_xla_get_cpu_tensors")(list(tensors)))
 
 
-# torch_xla.sync()'s debugging settings, which it reads on every call; xcoll
-# reads them when it starts (set later, they take effect in torch_xla.sync()).
-_SYNC_SETTINGS = ("XLA_EMIT_STEPLOG", "XLA_SYNC_WAIT", "XLA_METRICS_FILE")
-# (torch_xla's own: thread-per-device XLA:CPU replicas replace torch_xla.sync, xla.own_sync)
-_TORCH_XLA_SYNC = torch_xla.sync
-_SYNC_AS_IS = any(os.environ.get(v) not in (None, "", "0", "false", "False") for v in _SYNC_SETTINGS)
+# torch_xla.sync()'s debugging settings that xcoll's step keeps: its step log
+# line and its metrics file. Read when xcoll starts (set later, they take
+# effect in torch_xla.sync() alone). Not XLA_SYNC_WAIT: its wait, under
+# xcoll's lock, waits for the replicas queued behind that lock (measured: a
+# hang, then XLA's abort, at W=2); xcoll's own calls wait once the lock is
+# released (xla_step.sync).
+_STEPLOG = os.environ.get("XLA_EMIT_STEPLOG", "0") not in ("", "0")
+_METRICS_FILE = "XLA_METRICS_FILE" in os.environ
 
 
 def step(device: torch.device) -> None:
     """``torch_xla.sync()`` from the thread whose default device is
-    ``device``, but for its step closures: runs the pending graph
-    (asynchronously) and clears the collective token. The closures are
+    ``device``, but for its step closures and its wait: runs the pending
+    graph (asynchronously) and clears the collective token. The closures are
     :func:`run_step_closures`' to run, once the caller has released the lock
     that it holds around this call: a closure that reads a result of the
     execution waits for it, and with it for every replica's collectives,
     which the other replicas cannot reach while they wait for that lock.
     Replaces ``torch_xla.sync()``, which also reads the environment, the
     ordinal and the metrics settings on every call (a third of a small call's
-    host work at W=4); where one of its debugging settings is set, it runs
-    itself, with the device's step closures held back."""
+    host work at W=4)."""
     name = str(device)
-    if _SYNC_AS_IS:
-        context = _device_context(name)
-        held, context.step_closures = getattr(context, "step_closures", None) or [], []
-        _TORCH_XLA_SYNC()
-        context.step_closures = held + (getattr(context, "step_closures", None) or [])
-        return
+    if _STEPLOG:
+        print("torch_xla.torch_xla::sync", file=sys.stderr, flush=True)
     _binding("_xla_step_marker")(name, [], wait=False)
+    if _METRICS_FILE:
+        _save_metrics()
     _binding("_set_all_reduce_token")(name, None)
+
+
+def _save_metrics() -> None:
+    import torch_xla.core.xla_model as xm
+
+    if xm.is_master_ordinal():  # (as torch_xla.sync(): one replica's metrics per host)
+        xm.ms.save_metrics()
 
 
 def pending(device: torch.device) -> bool:
@@ -197,15 +204,6 @@ def run_step_closures() -> None:
     if closures is None:
         raise RuntimeError(_MISSING.format(name="core.xla_model._run_step_closures"))
     closures()
-
-
-def _device_context(name: str) -> Any:
-    import torch_xla.core.xla_model as xm
-
-    get = getattr(xm, "_get_device_context", None)
-    if get is None:
-        raise RuntimeError(_MISSING.format(name="core.xla_model._get_device_context"))
-    return get(name)
 
 
 def sync_only(tensors: Sequence[torch.Tensor]) -> None:
