@@ -313,6 +313,40 @@ def test_integers_too_large_to_widen_keep_their_own_collective(gloo):
     assert gloo.run(_count_unwidened, [None] * gloo.world_size) == [expected] * gloo.world_size
 
 
+def _widened_at_the_bound(_):
+    """Two int32 leaves of 5 elements and an int64 one, reduced with
+    ``Tuning.widen`` at 80 and at 79 bytes: the int32 bucket widened to int64
+    is 10 elements of 8 bytes. Returns the all-reduces of each call and
+    whether its values are the sums."""
+    from xcoll._core import ops as _ops
+
+    rank, w = xcoll.rank(), xcoll.world_size()
+    tree = {
+        "wide": torch.full((1,), rank + 2**40, dtype=torch.int64),
+        "a": torch.arange(5, dtype=torch.int32) + rank,
+        "b": torch.arange(5, dtype=torch.int32) - rank,
+    }
+    ranks = sum(range(w))
+    want = {
+        "wide": torch.full((1,), ranks + w * 2**40, dtype=torch.int64),
+        "a": torch.arange(5, dtype=torch.int32) * w + ranks,
+        "b": torch.arange(5, dtype=torch.int32) * w - ranks,
+    }
+    out = []
+    for widen in (80, 79):
+        with engine_calls() as engine, _ops.tuned(widen=widen), xcoll.consistency_checks("never"):
+            got = xcoll.reduce(tree, "sum")
+        exact = all(same_values(got[k], want[k]) for k in want)
+        out.append((sum(name == "allreduce" for name, _ in engine), exact))
+    return out
+
+
+def test_the_widening_bound_counts_a_buckets_elements_not_each_leafs(gloo):
+    # (each int32 leaf alone is 40 bytes widened, within either bound)
+    want = [(1, True), (2, True)]
+    assert gloo.run(_widened_at_the_bound, [None] * gloo.world_size) == [want] * gloo.world_size
+
+
 def _count_alone(_):
     from xcoll._core import ops as _ops
 

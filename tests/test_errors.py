@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import namedtuple
 
@@ -61,14 +62,39 @@ def test_reduce_refuses_ops(tree, op, path, err):
 
 
 def test_reduce_op_tree_must_be_a_prefix():
-    with pytest.raises(ValueError, match="prefix"):
+    want = (
+        "op must be a str or a prefix tree of the data tree: op is a dict with keys ['a'], "
+        "where the data tree has a dict with keys ['a', 'b'] at tree"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
         xcoll.reduce({"a": torch.ones(1), "b": torch.ones(1)}, {"a": "sum"})
 
 
 @pytest.mark.parametrize("src", [-1, 1, 1.0, True, "0"])
 def test_broadcast_src_out_of_range(src):
-    with pytest.raises(ValueError, match="src"):
+    want = f"src={src!r} is not a replica rank: world size is 1"
+    with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
         xcoll.broadcast({"x": torch.ones(1)}, src=src)
+
+
+class _Rank(enum.IntEnum):
+    FIRST = 0
+    SECOND = 1
+
+
+def _broadcast_from(src):
+    try:
+        return xcoll.broadcast({"x": torch.full((2,), float(xcoll.rank()))}, src=src)["x"].tolist()
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_bool_src_is_refused_and_an_int_enum_taken_where_both_are_ranks():
+    # (True == 1 is a rank of two replicas; an IntEnum is an int)
+    pool = shared_pool("gloo-2")
+    refused = "src=True is not a replica rank: world size is 2"
+    assert pool.run(_broadcast_from, [True, True]) == [refused, refused]
+    assert pool.run(_broadcast_from, [_Rank.SECOND, _Rank.SECOND]) == [[1.0, 1.0]] * 2
 
 
 @pytest.mark.parametrize("dim,stack", [(2, False), (-3, False), (3, True)])

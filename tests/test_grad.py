@@ -240,6 +240,32 @@ def test_broadcast_gradients_are_the_single_process_ones(pool, data):
     _check(pool, "broadcast", example, {"src": src})
 
 
+def _broadcast_backward_from_each_end(_):
+    """Broadcast gradients from the last replica, then from the first: each
+    replica's output scaled by its rank + 1. Returns each input's gradient."""
+    grads = []
+    for src in (xcoll.world_size() - 1, 0):
+        x = torch.full((3,), float(xcoll.rank())).to(device()).requires_grad_()
+        out = xcoll.broadcast({"x": x}, src=src, grad=True)["x"]
+        (out * (xcoll.rank() + 1)).sum().backward()
+        xcoll.sync()  # (the backward's collective is sync=False: README, "On XLA")
+        grads.append(to_cpu(x.grad).tolist())
+    return grads
+
+
+@pytest.mark.parametrize("name", ["gloo-2", "xla-cpu-2"])
+def test_broadcast_gradients_reach_src_alone_whichever_replica_it_is(name):
+    # (the sum of every replica's output gradient on src, zeros elsewhere;
+    # src drawn by the property test above shrinks to 0. On XLA each
+    # replica thread's device its own: the backward's mask is uploaded per
+    # device, and replica 0 keeps at the second call what replica 1 kept at
+    # the first)
+    pool = shared_pool(name)
+    total = [3.0] * 3  # (1 + 2)
+    zeros = [0.0] * 3
+    assert pool.run(_broadcast_backward_from_each_end, [None, None]) == [[zeros, total], [total, zeros]]
+
+
 @st.composite
 def _cut_examples(draw, dtype, world: int):
     """An example without Python scalars whose leaves cut into ``world``
