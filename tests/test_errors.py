@@ -97,6 +97,16 @@ def test_a_bool_src_is_refused_and_an_int_enum_taken_where_both_are_ranks():
     assert pool.run(_broadcast_from, [_Rank.SECOND, _Rank.SECOND]) == [[1.0, 1.0]] * 2
 
 
+@pytest.mark.parametrize("name", ["gather", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("dim", [True, 1.0, "1", None])
+def test_a_dim_that_is_not_an_int_is_refused_after_dim_1s_call(name, dim):
+    # (checked on every call: True == 1 would find dim=1's cached plan)
+    tree = {"x": torch.ones(2, 2)}
+    getattr(xcoll, name)(tree, dim=1)
+    with pytest.raises(TypeError, match=f"^{re.escape(f'dim must be an int, got {dim!r}')}$"):
+        getattr(xcoll, name)(tree, dim=dim)
+
+
 @pytest.mark.parametrize("dim,stack", [(2, False), (-3, False), (3, True)])
 def test_gather_dim_out_of_range(dim, stack):
     with pytest.raises(ValueError, match=re.escape("tree['m']")):
