@@ -133,13 +133,13 @@ def test_a_call_in_flight_returns_before_a_late_peer_has_called(gloo, tmp_path, 
 # ---- in order, completed by the first use of an output ---------------------------
 
 
-def _several(_=None):
+def _several(n: int):
     """Four calls in flight (a reduce of two dtypes: its second collective
-    starts when it completes); the last one's output used first, then
-    the sync."""
+    starts when it completes), of leaves of ``n`` elements; the last one's
+    output used first, then the sync."""
     rank = xcoll.rank()
-    a = {"f": torch.arange(6.0) + rank, "i": torch.arange(3) * (rank + 1)}
-    b = {"h": torch.ones(4, dtype=torch.float16) * rank, "d": torch.full((2,), 0.5 + rank, dtype=torch.float64)}
+    a = {"f": torch.arange(float(n)) + rank, "i": torch.arange(n) * (rank + 1)}
+    b = {"h": torch.ones(n, dtype=torch.float16) * rank, "d": torch.full((n,), 0.5 + rank, dtype=torch.float64)}
     blocking = [xcoll.gather(a), xcoll.reduce(b), xcoll.broadcast(a, src=1), xcoll.reduce(b, "max")]
     calls = [
         xcoll.gather(a, sync=False),
@@ -154,8 +154,11 @@ def _several(_=None):
     return done, same, torch.equal(first, blocking[-1]["h"])
 
 
-def test_calls_in_flight_complete_in_order_at_the_first_use_of_an_output(gloo):
-    for done, same, first in gloo.run(_several, [None] * gloo.world_size):
+@pytest.mark.parametrize("n", [3, 2048])
+def test_calls_in_flight_complete_in_order_at_the_first_use_of_an_output(gloo, n):
+    # (small calls share one hosted exchange; 2048 elements are over its
+    # 4 KiB: each call's collectives its own, completed in their order)
+    for done, same, first in gloo.run(_several, [n] * gloo.world_size):
         assert all(done) and all(same) and first
 
 

@@ -3,16 +3,17 @@ every replica must make them in the order of its calls, whatever it reads
 first or when.
 
 A call made with ``sync=False`` on an eager engine starts every one of its
-collectives before it returns (:mod:`xcoll._core.execute`), and is put last
-in its group's order here (:func:`started`). It completes (its collectives
+collectives before it returns (:mod:`xcoll._core.execute`), and is its
+group's call in flight here (:func:`started`). It completes (its collectives
 waited for, its guard read, its outputs decoded) at the first of: the first
 use of an output, :func:`sync`, or the group's next call of any kind
-(:func:`sync` at its entry, :mod:`xcoll._guard.entry`), and always after
-the earlier calls on its group (:func:`completed`), whichever thread made
-them. So the only collective a completion may start, the exchange that
-names a difference where the guard disagrees, is the next collective on
-the group on every replica: each replica completes the call before its next
-call on the group, as the first of them reads an output or not.
+(:func:`sync` at its entry, :mod:`xcoll._guard.entry`), whichever thread
+made it. So a group has at most one call in flight (a group serves one call
+at a time, and each call's entry completes the one in flight first), and
+the only collective a completion may start, the exchange that names a
+difference where the guard disagrees, is the next collective on the group
+on every replica: each replica completes the call before its next call on
+the group, as the first of them reads an output or not.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ class Call(ABC):
 
     def __init__(self, group: Hashable, name: str) -> None:
         self.group, self.name = group, name
-        # (the earlier call in flight on its group: it completes first)
-        self.earlier: Call | None = None
         self.outputs: list[Any] | None = None
         self.failed: str | None = None  # (why it could not complete)
 
@@ -44,8 +43,8 @@ class Call(ABC):
         differ) and returns its output leaves."""
 
     def output(self, leaf: int) -> Any:
-        """Output leaf ``leaf``, completing the call (and the earlier ones
-        on its group) first if it has not completed."""
+        """Output leaf ``leaf``, completing the call first if it has not
+        completed."""
         if self.outputs is None:
             completed(self)
         if self.outputs is None:
@@ -57,7 +56,7 @@ class Call(ABC):
 
 
 _lock = threading.RLock()  # (an output may be used from another thread)
-# {group: the latest call in flight on it} (read at every call's entry: a
+# {group: its call in flight} (read at every call's entry: a
 # call finds it empty, but where calls in flight are). Per group, not per thread: the
 # calls on a group complete in their order on every replica, whichever thread
 # made a call or completes it.
@@ -65,34 +64,27 @@ in_flight: dict[Hashable, Call] = {}
 
 
 def started(call: Call) -> None:
-    """Puts ``call`` last in its group's order."""
+    """Puts ``call`` in flight on its group (whose call in flight, if any,
+    its entry has completed)."""
     with _lock:
-        call.earlier = in_flight.get(call.group)
         in_flight[call.group] = call
 
 
 def completed(call: Call) -> None:
-    """Completes ``call``, after the earlier calls on its group."""
+    """Completes ``call``, unless it has completed or failed."""
     with _lock:
-        chain = []
-        c: Call | None = call
-        while c is not None and c.outputs is None and c.failed is None:
-            chain.append(c)
-            c = c.earlier
+        if call.outputs is not None or call.failed is not None:
+            return
         try:
-            for c in reversed(chain):
-                c.earlier = None
-                try:
-                    with _watchdog.watch(functools.partial(_waited, c.name)):
-                        c.outputs = c.complete()
-                except BaseException as e:
-                    c.failed = f"{type(e).__name__}: {e}"
-                    raise
+            with _watchdog.watch(functools.partial(_waited, call.name)):
+                call.outputs = call.complete()
+        except BaseException as e:
+            call.failed = f"{type(e).__name__}: {e}"
+            raise
         finally:
             # (a completed call is no longer in flight: kept here, its outputs
             # would live until the group's next call, whoever else holds them)
-            # (one that an earlier call's failure left in flight stays in order)
-            if in_flight.get(call.group) is call and (call.outputs is not None or call.failed):
+            if in_flight.get(call.group) is call:
                 del in_flight[call.group]
 
 
