@@ -138,23 +138,25 @@ def _sync_false_calls_and_one_synced_call(how: str) -> tuple[list[float], float]
     return _sync_false_calls(how), float(error + whole["n"].cpu() - xcoll.world_size())
 
 
-@pytest.mark.parametrize("how", ["torch_xla.sync", "locked torch_xla.sync"])
-def test_steps_under_torch_xla_debugging_settings(how, tmp_path):
+_HOWS = ["torch_xla.sync", "locked torch_xla.sync"]
+
+
+def test_steps_under_torch_xla_debugging_settings(tmp_path):
     # xcoll's step keeps torch_xla.sync's step log and metrics file, and
     # not its XLA_SYNC_WAIT, whose wait under xcoll's lock hung the replicas
-    # queued behind it (_xlac.step)
+    # queued behind it (_xlac.step). The caller's syncs, plain and locked
     pytest.importorskip("torch_xla")
     from xcoll.testing import XlaPool
 
     metrics = tmp_path / "metrics"
     env = {"XLA_SYNC_WAIT": "1", "XLA_EMIT_STEPLOG": "1", "XLA_METRICS_FILE": str(metrics)}
     with XlaPool(2, env=env) as pool:
-        got = pool.run(_sync_false_calls_and_one_synced_call, [how, how])
+        got = [pool.run(_sync_false_calls_and_one_synced_call, [how, how]) for how in _HOWS]
         log = pool.stderr_tail(10**6)
-    assert got == [([0.0] * STEPS, 0.0)] * 2, got
-    assert log.count("torch_xla.torch_xla::sync\n") >= 2 * STEPS, log[-2000:]
+    assert got == [[([0.0] * STEPS, 0.0)] * 2] * 2, got
+    assert log.count("torch_xla.torch_xla::sync\n") >= 4 * STEPS, log[-2000:]
     # (torch_xla's name for the first replica's file where the world is over 1)
-    assert metrics.with_name("metrics.0").read_text().count("[MetricsData; step=") >= STEPS
+    assert metrics.with_name("metrics.0").read_text().count("[MetricsData; step=") >= 2 * STEPS
     assert not metrics.with_name("metrics.1").exists()
 
 
