@@ -419,8 +419,9 @@ def test_barrier_passes_with_one_tag_and_names_different_ones(pool):
     assert pool.run(_barrier, [["epoch-1"] * w] * w) == ["passed"] * w
     if w == 1:
         return
-    # (the last one a str that UTF-8 cannot encode: a lone surrogate)
-    for last in ["epoch-2", "epoch-\udc80"]:
+    # (the last one a str that UTF-8 cannot encode: a lone surrogate; or
+    # barrier()'s default, which sends no byte)
+    for last in ["epoch-2", "epoch-\udc80", ""]:
         tags = ["epoch-1"] * w
         tags[-1] = last
         failures = pool.run(_barrier, [tags] * w, return_exceptions=True)
