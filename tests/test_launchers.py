@@ -4,6 +4,7 @@ processes; and what a user sees when a launch is set up wrong."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import shlex
@@ -91,6 +92,22 @@ def test_importing_xcoll_gives_xla_cpu_replicas_their_pool_and_client_where_unse
     assert _imported(mine) == {"pool": "5", "client": "true"}
     assert _imported({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})["pool"] is None
     assert _imported({})["pool"] is None
+
+
+@pytest.mark.parametrize(
+    "setting, want",
+    [(None, os.cpu_count()), ("", os.cpu_count()), ("many", os.cpu_count()), ("5", 5), (" 7 ", 7)],
+)
+def test_the_thread_pool_xcoll_checks_is_the_setting_or_else_the_cores(monkeypatch, setting, want):
+    # (what the check of a pool smaller than the replicas reads: the cores
+    # where a runtime started before xcoll's import, unset)
+    from xcoll._backends._launch import thread_pool
+
+    if setting is None:
+        monkeypatch.delenv("XLA_THREAD_POOL_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("XLA_THREAD_POOL_SIZE", setting)
+    assert thread_pool() == want
 
 
 @needs_xla

@@ -64,6 +64,15 @@ def launch_hint(xla_leaves: bool) -> str:
 
 
 
+def thread_pool() -> int:
+    """The XLA:CPU thread pool's size as the runtime reads it:
+    ``XLA_THREAD_POOL_SIZE``, or where that is unset (or not a number) the
+    number of cores. xcoll sets it when imported before the runtime starts
+    (:func:`default_cpu_env`); a runtime started earlier has its own."""
+    setting = os.environ.get("XLA_THREAD_POOL_SIZE", "")
+    return int(setting) if setting.strip().isdigit() else (os.cpu_count() or 1)
+
+
 def pool_size(replicas: int) -> int:
     """The XLA:CPU thread pool xcoll asks for, for ``replicas`` replica
     threads: at least one thread per replica, with room for torch_xla's own."""

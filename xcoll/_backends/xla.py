@@ -41,7 +41,7 @@ import torch_xla.runtime as xr
 
 from .._base import tree as _tree
 from . import _xlac
-from ._launch import launch_hint, pool_size
+from ._launch import launch_hint, pool_size, thread_pool
 from .base import Deferred, Transport
 from .xla_kernels import Keep, XlaKernels
 from .xla_step import step, sync
@@ -99,8 +99,7 @@ def _set_up_process(device: torch.device) -> None:
             "(docs/launchers.md)"
         )
     if cpu:
-        setting = os.environ.get("XLA_THREAD_POOL_SIZE", "")
-        pool = int(setting) if setting.strip().isdigit() else (os.cpu_count() or 1)
+        pool = thread_pool()
         if pool < replicas:
             raise RuntimeError(
                 f"this process runs {replicas} XLA:CPU replicas as threads, but torch_xla's "
