@@ -155,7 +155,7 @@ def get_cpu_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 # hang, then XLA's abort, at W=2); xcoll's own calls wait once the lock is
 # released (xla_step.sync).
 _STEPLOG = os.environ.get("XLA_EMIT_STEPLOG", "0") not in ("", "0")
-_METRICS_FILE = "XLA_METRICS_FILE" in os.environ
+_METRICS_FILE = os.environ.get("XLA_METRICS_FILE") is not None
 
 
 def step(device: torch.device) -> None:
