@@ -419,11 +419,12 @@ def test_barrier_passes_with_one_tag_and_names_different_ones(pool):
     assert pool.run(_barrier, [["epoch-1"] * w] * w) == ["passed"] * w
     if w == 1:
         return
-    # (the last one a str that UTF-8 cannot encode: a lone surrogate; or
-    # barrier()'s default, which sends no byte)
-    for last in ["epoch-2", "epoch-\udc80", ""]:
+    # (one replica's tag another: a str that UTF-8 cannot encode, a lone
+    # surrogate; barrier()'s default, which sends no byte; one past the
+    # exchange's size rounding; on the last replica or the first)
+    for where, other in [(-1, "epoch-2"), (-1, "epoch-\udc80"), (-1, ""), (0, ""), (0, "e" * 1500)]:
         tags = ["epoch-1"] * w
-        tags[-1] = last
+        tags[where] = other
         failures = pool.run(_barrier, [tags] * w, return_exceptions=True)
         listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
         for f in failures:

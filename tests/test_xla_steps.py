@@ -131,11 +131,14 @@ def test_a_callers_own_sync_runs_sync_false_calls(world, how):
     assert pool.run(_sync_false_calls, [how] * pool.world_size) == [[0.0] * STEPS] * pool.world_size
 
 
-def _sync_false_calls_and_one_synced_call(how: str) -> tuple[list[float], float]:
+def _sync_false_calls_and_one_synced_call(how: str) -> tuple[list[float], float, float]:
+    """The sync=False loop's values read, then a synced reduce over 4 KiB:
+    its largest error and its count's."""
     big = torch.arange(2048.0).to(device()) + xcoll.rank()
     whole = xcoll.reduce({"big": big, "n": torch.tensor(1.0).to(device())})
-    error = (whole["big"].cpu() - (xcoll.world_size() * torch.arange(2048.0) + 1)).abs().max()
-    return _sync_false_calls(how), float(error + whole["n"].cpu() - xcoll.world_size())
+    want = xcoll.world_size() * torch.arange(2048.0) + sum(range(xcoll.world_size()))
+    error = float((whole["big"].cpu() - want).abs().max())
+    return _sync_false_calls(how), error, float(whole["n"].cpu()) - xcoll.world_size()
 
 
 _HOWS = ["torch_xla.sync", "locked torch_xla.sync"]
@@ -153,7 +156,7 @@ def test_steps_under_torch_xla_debugging_settings(tmp_path):
     with XlaPool(2, env=env) as pool:
         got = [pool.run(_sync_false_calls_and_one_synced_call, [how, how]) for how in _HOWS]
         log = pool.stderr_tail(10**6)
-    assert got == [[([0.0] * STEPS, 0.0)] * 2] * 2, got
+    assert got == [[([0.0] * STEPS, 0.0, 0.0)] * 2] * 2, got
     assert log.count("torch_xla.torch_xla::sync\n") >= 4 * STEPS, log[-2000:]
     # (torch_xla's name for the first replica's file where the world is over 1)
     assert metrics.with_name("metrics.0").read_text().count("[MetricsData; step=") >= 2 * STEPS

@@ -63,7 +63,6 @@ def launch_hint(xla_leaves: bool) -> str:
     )
 
 
-
 def thread_pool() -> int:
     """The XLA:CPU thread pool's size as the runtime reads it:
     ``XLA_THREAD_POOL_SIZE``, or where that is unset (or not a number) the
